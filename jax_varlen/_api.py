@@ -1,0 +1,211 @@
+"""``attention``: normalize rank 3/4, check every argument, bind the primitive."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from jax_varlen._config import AttentionConfig
+from jax_varlen._primitive import attention_fwd
+
+_FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+_LENGTH_DTYPES = (jnp.int32, jnp.int64)
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def _check_array(name: str, x) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _heads(name: str, value, given) -> int:
+    if value is None:
+        return given
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _split_heads(name: str, x, heads: int, heads_name: str):
+    """[B, S, heads * d] -> [B, S, heads, d]."""
+    if x.shape[-1] % heads:
+        raise ValueError(
+            f"{name}'s last dimension ({x.shape[-1]}) must be a multiple of {heads_name} "
+            f"({heads}); {name} has shape {tuple(x.shape)}"
+        )
+    return x.reshape(x.shape[:2] + (heads, x.shape[-1] // heads))
+
+
+def normalize_heads(query, key, value, num_heads, kv_num_heads):
+    """Checks ranks and head counts; returns rank-4 query, key, value."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_array(name, x)
+    if query.ndim not in (3, 4):
+        raise ValueError(
+            f"query must have rank 3 [B, Sq, H*D] or 4 [B, Sq, H, D], got shape {tuple(query.shape)}"
+        )
+    for name, x in (("key", key), ("value", value)):
+        if x.ndim != query.ndim:
+            raise ValueError(
+                f"{name} must have the rank of query ({query.ndim}), got shape {tuple(x.shape)}"
+            )
+    if query.ndim == 3:
+        if num_heads is None:
+            raise ValueError("num_heads is required for rank-3 inputs [B, S, H*D]; got None")
+        num_heads = _heads("num_heads", num_heads, None)
+        kv_num_heads = _heads("kv_num_heads", kv_num_heads, num_heads)
+        query = _split_heads("query", query, num_heads, "num_heads")
+        key = _split_heads("key", key, kv_num_heads, "kv_num_heads")
+        value = _split_heads("value", value, kv_num_heads, "kv_num_heads")
+    else:
+        for name, given, x, axis_name in (
+            ("num_heads", num_heads, query, "query"),
+            ("kv_num_heads", kv_num_heads, key, "key"),
+        ):
+            if given is not None and _heads(name, given, None) != x.shape[2]:
+                raise ValueError(
+                    f"{name}={given} does not match {axis_name}'s head axis: "
+                    f"{axis_name} has shape {tuple(x.shape)}"
+                )
+    return query, key, value
+
+
+def check_shapes(query, key, value) -> None:
+    """query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv]."""
+    B, _, H, D = query.shape
+    if query.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"query must be float32, float16 or bfloat16, got {_dtype_name(query.dtype)}"
+        )
+    for name, x in (("key", key), ("value", value)):
+        if x.dtype != query.dtype:
+            raise TypeError(
+                f"{name} must have query's dtype ({_dtype_name(query.dtype)}), "
+                f"got {_dtype_name(x.dtype)}"
+            )
+        if x.shape[0] != B:
+            raise ValueError(
+                f"{name}'s batch extent must equal query's ({B}), got shape {tuple(x.shape)}"
+            )
+    Hkv = key.shape[2]
+    if value.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"value's sequence extent must equal key's ({key.shape[1]}), got value shape "
+            f"{tuple(value.shape)}"
+        )
+    if value.shape[2] != Hkv:
+        raise ValueError(
+            f"value's head count must equal key's ({Hkv}), got value shape {tuple(value.shape)}"
+        )
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"kv_num_heads ({Hkv}) must divide num_heads ({H})")
+    if key.shape[3] != D:
+        raise ValueError(
+            f"key's head size must equal query's ({D}), got key shape {tuple(key.shape)}"
+        )
+    if D == 0:
+        raise ValueError(f"head size must be at least 1, got query shape {tuple(query.shape)}")
+
+
+def check_lengths(nonpad_kv_seqlen, batch: int, seqlen_k: int):
+    """Checks [B] int32/int64 lengths; returns int32 lengths (clamped when traced)."""
+    _check_array("nonpad_kv_seqlen", nonpad_kv_seqlen)
+    if nonpad_kv_seqlen.dtype not in _LENGTH_DTYPES:
+        raise TypeError(
+            f"nonpad_kv_seqlen must be int32 or int64, got {_dtype_name(nonpad_kv_seqlen.dtype)}"
+        )
+    if nonpad_kv_seqlen.shape != (batch,):
+        raise ValueError(
+            f"nonpad_kv_seqlen must have shape [B] = ({batch},), got {tuple(nonpad_kv_seqlen.shape)}"
+        )
+    if isinstance(nonpad_kv_seqlen, jax.core.Tracer):
+        ok = jnp.all((nonpad_kv_seqlen >= 0) & (nonpad_kv_seqlen <= seqlen_k))
+        checkify.debug_check(
+            ok, f"nonpad_kv_seqlen must lie in [0, Skv={seqlen_k}]; out-of-range values are clamped"
+        )
+    else:
+        lengths = np.asarray(nonpad_kv_seqlen)
+        bad = np.flatnonzero((lengths < 0) | (lengths > seqlen_k))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"nonpad_kv_seqlen[{i}] = {int(lengths[i])} is out of range: expected "
+                f"0 <= n <= Skv = {seqlen_k}"
+            )
+    # Clamp before narrowing, so int64 values past int32 cannot wrap into range.
+    return jnp.clip(nonpad_kv_seqlen, 0, seqlen_k).astype(jnp.int32)
+
+
+def make_config(head_dim: int, scale, is_causal, softcap) -> AttentionConfig:
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softcap must be a Python float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite value >= 0 (0 = off), got {softcap}")
+    return AttentionConfig(scale=float(scale), is_causal=bool(is_causal), softcap=float(softcap))
+
+
+def attention(
+    query,
+    key,
+    value,
+    nonpad_kv_seqlen,
+    *,
+    num_heads=None,
+    kv_num_heads=None,
+    scale=None,
+    is_causal=False,
+    softcap=0.0,
+    return_lse=False,
+):
+    """Attention over a padded ragged batch that spends no compute on padding.
+
+    Args:
+      query: ``[B, Sq, H, D]`` or ``[B, Sq, H*D]``; float32, float16 or bfloat16.
+      key: ``[B, Skv, Hkv, D]`` or ``[B, Skv, Hkv*D]``; the dtype of ``query``.
+      value: ``[B, Skv, Hkv, Dv]`` or ``[B, Skv, Hkv*Dv]``; ``Dv`` may differ from ``D``.
+      nonpad_kv_seqlen: int32 or int64 ``[B]``: keys ``j < n_b`` of sequence ``b`` are real;
+        the rest is padding that is never read (it may hold NaN) and never costs compute.
+      num_heads: ``H``; required for rank-3 inputs, checked against rank-4 ones.
+      kv_num_heads: ``Hkv`` (defaults to ``num_heads``); must divide ``H`` (MHA, GQA, MQA).
+        Query head ``h`` reads kv head ``h // (H // Hkv)``.
+      scale: multiplies ``<q, k>``; defaults to ``1/sqrt(D)``.
+      is_causal: tail-aligned (bottom-right) causal mask: query ``i`` sees key ``j`` iff
+        ``j <= i + n_b - Sq``. The queries are the last ``Sq`` positions of the ``n_b`` keys.
+      softcap: ``0`` is off; otherwise scores become ``softcap * tanh(s / softcap)`` before
+        masking (Gemma 2 style).
+      return_lse: also return the float32 log-sum-exp ``[B, H, Sq]`` (natural log).
+
+    Returns:
+      ``out`` ``[B, Sq, H, Dv]`` with the rank and dtype of ``query`` (``[B, Sq, H*Dv]`` for
+      rank 3); with ``return_lse`` the pair ``(out, lse)``. Rows with no allowed key
+      (``n_b = 0``, or the leading ``Sq - n_b`` rows under causal) are zero, with lse ``-inf``.
+
+    Raises:
+      TypeError, ValueError: at trace time, naming the argument, the expected and the given
+        value. Concrete out-of-range lengths raise ``ValueError``; traced ones are clamped into
+        ``[0, Skv]`` and reported under ``jax.experimental.checkify``.
+    """
+    rank = getattr(query, "ndim", None)
+    query, key, value = normalize_heads(query, key, value, num_heads, kv_num_heads)
+    check_shapes(query, key, value)
+    lengths = check_lengths(nonpad_kv_seqlen, query.shape[0], key.shape[1])
+    config = make_config(query.shape[3], scale, is_causal, softcap)
+    out, lse = attention_fwd(query, key, value, lengths, config)
+    if rank == 3:
+        out = out.reshape(out.shape[:2] + (-1,))
+    return (out, lse) if return_lse else out

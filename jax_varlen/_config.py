@@ -1,0 +1,20 @@
+"""Static parameters of the attention primitives, as one frozen hashable value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Everything about a call that is not an array.
+
+    Attributes:
+      scale: multiplies ``<q, k>`` (already resolved from ``1/sqrt(D)`` when not given).
+      is_causal: tail-aligned (bottom-right) causal mask.
+      softcap: ``0`` is off; otherwise scores become ``softcap * tanh(s / softcap)``.
+    """
+
+    scale: float
+    is_causal: bool = False
+    softcap: float = 0.0

@@ -1,0 +1,101 @@
+"""The forward attention primitive: abstract evaluation, batching and per-platform lowering.
+
+Operands (already normalized to rank 4 by ``_api``):
+  query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv], nonpad_kv_seqlen int32 [B]
+Results:
+  out [B, Sq, H, Dv] (dtype of query), lse float32 [B, H, Sq]
+Static parameter: ``config``, one frozen :class:`AttentionConfig`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_varlen import _ffi
+from jax_varlen._config import AttentionConfig
+
+# Head sizes the CUDA kernels are instantiated for; others round up to the next bucket.
+CUDA_MAX_HEAD_DIM = 256
+
+attention_fwd_p = Primitive("jax_varlen_attention_fwd")
+attention_fwd_p.multiple_results = True
+
+
+def attention_fwd(query, key, value, nonpad_kv_seqlen, config: AttentionConfig):
+    """Binds the primitive; returns ``(out, lse)``."""
+    return attention_fwd_p.bind(query, key, value, nonpad_kv_seqlen, config=config)
+
+
+attention_fwd_p.def_impl(lambda *args, config: jax.jit(attention_fwd, static_argnums=4)(*args, config))
+
+
+@attention_fwd_p.def_abstract_eval
+def _abstract_eval(query, key, value, nonpad_kv_seqlen, *, config):
+    B, Sq, H, _ = query.shape
+    Dv = value.shape[-1]
+    return (
+        jax.core.ShapedArray((B, Sq, H, Dv), query.dtype),
+        jax.core.ShapedArray((B, H, Sq), jnp.float32),
+    )
+
+
+def _batch(args, dims, *, config):
+    """A vmapped axis folds into the batch axis: [N, B, ...] -> [N * B, ...], one launch.
+
+    Unbatched operands are broadcast along the vmapped axis (lengths cost nothing; an
+    unbatched query/key/value is materialized once per vmapped element, like any batched call).
+    """
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    folded = []
+    for a, d in zip(args, dims):
+        if d is None:  # unbatched operand
+            a = jnp.broadcast_to(a, (size,) + a.shape)
+        else:
+            a = jnp.moveaxis(a, d, 0)
+        folded.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+    out, lse = attention_fwd(*folded, config)
+    out = out.reshape((size, -1) + out.shape[1:])
+    lse = lse.reshape((size, -1) + lse.shape[1:])
+    return (out, lse), (0, 0)
+
+
+batching.primitive_batchers[attention_fwd_p] = _batch
+
+
+def _ffi_attrs(config: AttentionConfig):
+    return dict(
+        scale=np.float32(config.scale),
+        is_causal=bool(config.is_causal),
+        softcap=np.float32(config.softcap),
+    )
+
+
+def _lower_cpu(ctx, *args, config):
+    _ffi.extension()
+    return jax.ffi.ffi_lowering(_ffi.CPU_TARGET)(ctx, *args, **_ffi_attrs(config))
+
+
+def _lower_cuda(ctx, query, *args, config):
+    if not _ffi.has_cuda():
+        raise RuntimeError(
+            "jax_varlen was built without its CUDA kernels, so it cannot run on a GPU. "
+            "Reinstall on a machine with the CUDA toolkit (nvcc) on PATH, or force the build "
+            "with JAX_VARLEN_CUDA=ON; to run on the CPU, place the inputs there "
+            "(jax.device_put(x, jax.devices('cpu')[0]))."
+        )
+    head_dim = ctx.avals_in[0].shape[-1]
+    head_dim_v = ctx.avals_in[2].shape[-1]
+    if max(head_dim, head_dim_v) > CUDA_MAX_HEAD_DIM:
+        raise ValueError(
+            f"jax_varlen on CUDA supports head sizes up to {CUDA_MAX_HEAD_DIM}; got query/key "
+            f"head size {head_dim} and value head size {head_dim_v}"
+        )
+    return jax.ffi.ffi_lowering(_ffi.CUDA_TARGET)(ctx, query, *args, **_ffi_attrs(config))
+
+
+mlir.register_lowering(attention_fwd_p, _lower_cpu, platform="cpu")
+mlir.register_lowering(attention_fwd_p, _lower_cuda, platform="cuda")
