@@ -1,0 +1,88 @@
+// Portable forward for what the tensor-core kernel does not take: float32 inputs (exact fp32,
+// no TF32), head sizes that are not a multiple of 8, and unaligned buffers. One warp owns one
+// packed query row (see tile_scheduler.h); lane l holds dims l, l + 32, ... of q and of the
+// output accumulator. Keys are visited in order; a butterfly sum gives every lane the same
+// bits, so the result is deterministic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "params.h"
+
+namespace jax_varlen::cuda {
+
+constexpr int kSimtWarps = 4;
+constexpr int kSimtMaxHeadDim = 256;
+constexpr int kSimtPerLane = kSimtMaxHeadDim / 32;
+
+__device__ __forceinline__ float load_float(const float* p) { return *p; }
+__device__ __forceinline__ float load_float(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+template <typename Elem> __device__ __forceinline__ Elem store_float(float x) { return Elem(x); }
+template <> __device__ __forceinline__ float store_float<float>(float x) { return x; }
+
+template <typename Elem>
+__global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_constant__ AttentionParams p) {
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t group = p.num_heads / p.kv_num_heads;
+  const int64_t r = int64_t(blockIdx.x) * kSimtWarps + threadIdx.x / 32;  // packed row
+  const int lane = threadIdx.x % 32;
+  if (r >= p.seqlen_q * group) return;
+  const int64_t i = r / group, h = g * group + r % group;
+  const int64_t n = clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k);
+  const int64_t limit = allowed_keys(i, n, p.seqlen_q, p.is_causal);
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+
+  const Elem* q = static_cast<const Elem*>(p.q) + ((b * p.seqlen_q + i) * p.num_heads + h) * D;
+  const Elem* k = static_cast<const Elem*>(p.k) + (b * p.seqlen_k * p.kv_num_heads + g) * D;
+  const Elem* v = static_cast<const Elem*>(p.v) + (b * p.seqlen_k * p.kv_num_heads + g) * Dv;
+  float qf[kSimtPerLane], acc[kSimtPerLane];
+#pragma unroll
+  for (int c = 0; c < kSimtPerLane; ++c) {
+    const int64_t d = lane + 32 * c;
+    qf[c] = d < D ? load_float(q + d) : 0.0f;
+    acc[c] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  for (int64_t j = 0; j < limit; ++j) {
+    const Elem* kj = k + j * p.kv_num_heads * D;
+    const Elem* vj = v + j * p.kv_num_heads * Dv;
+    float dot = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kSimtPerLane; ++c)
+      if (lane + 32 * c < D) dot += qf[c] * load_float(kj + lane + 32 * c);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffff, dot, off);
+    float s = dot * p.scale;
+    if (p.softcap > 0.0f) s = p.softcap * tanhf(s / p.softcap);
+    const float m_new = fmaxf(m, s);
+    const float alpha = expf(m - m_new);  // 0 on the first key (m = -inf)
+    const float pj = expf(s - m_new);
+    l = l * alpha + pj;
+    m = m_new;
+#pragma unroll
+    for (int c = 0; c < kSimtPerLane; ++c)
+      if (lane + 32 * c < Dv) acc[c] = acc[c] * alpha + pj * load_float(vj + lane + 32 * c);
+  }
+  Elem* out = static_cast<Elem*>(p.out) + ((b * p.seqlen_q + i) * p.num_heads + h) * Dv;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+  for (int c = 0; c < kSimtPerLane; ++c)
+    if (lane + 32 * c < Dv) out[lane + 32 * c] = store_float<Elem>(acc[c] * inv);
+  if (lane == 0) p.lse[(b * p.num_heads + h) * p.seqlen_q + i] = l > 0.0f ? m + logf(l) : -INFINITY;
+}
+
+template <typename Elem>
+cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream) {
+  const int64_t group = p.num_heads / p.kv_num_heads;
+  const dim3 grid(unsigned((p.seqlen_q * group + kSimtWarps - 1) / kSimtWarps), unsigned(p.kv_num_heads),
+                  unsigned(p.batch));
+  fwd_simt_kernel<Elem><<<grid, 32 * kSimtWarps, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_varlen::cuda

@@ -1,0 +1,57 @@
+// XLA FFI handler of the CUDA forward. Lengths stay on the device (kernels read them), nothing
+// is allocated and nothing synchronizes, so XLA may capture the call into a CUDA graph.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/launch.h"
+#include "handler_common.h"
+
+namespace jax_varlen {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxGridYZ = 65535;
+
+ffi::Error attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key,
+                              ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, bool is_causal,
+                              float softcap) {
+  auto params = make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, scale, is_causal,
+                            softcap);
+  if (!params) return params.error();
+  const AttentionParams& p = *params;
+  if (p.head_dim > kMaxHeadDim || p.head_dim_v > kMaxHeadDim)
+    return ffi::Error::InvalidArgument(
+        "jax_varlen: CUDA head sizes must be <= 256, got head_dim " + std::to_string(p.head_dim) +
+        " and head_dim_v " + std::to_string(p.head_dim_v));
+  if (p.batch > kMaxGridYZ || p.kv_num_heads > kMaxGridYZ)
+    return ffi::Error::InvalidArgument(
+        "jax_varlen: CUDA supports batch and kv_num_heads up to 65535, got " +
+        std::to_string(p.batch) + " and " + std::to_string(p.kv_num_heads));
+  if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return ffi::Error::Success();
+  const cudaError_t err = cuda::run_fwd(p, stream);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_varlen: CUDA forward failed: ") +
+                                cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_varlen
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_varlen_attention_fwd_cuda, jax_varlen::attention_fwd_cuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this computation
+        .Arg<xla::ffi::AnyBuffer>()                     // query [B, Sq, H, D]
+        .Arg<xla::ffi::AnyBuffer>()                     // key [B, Skv, Hkv, D]
+        .Arg<xla::ffi::AnyBuffer>()                     // value [B, Skv, Hkv, Dv]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // nonpad_kv_seqlen [B], on the device
+        .Ret<xla::ffi::AnyBuffer>()                     // out [B, Sq, H, Dv]
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [B, H, Sq]
+        .Attr<float>("scale")                           // multiplies <q, k>
+        .Attr<bool>("is_causal")                        // tail-aligned causal mask
+        .Attr<float>("softcap"),                        // 0 = off
+    {xla::ffi::Traits::kCmdBufferCompatible});

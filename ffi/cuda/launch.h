@@ -1,0 +1,25 @@
+// Entry points of the CUDA kernels, one instantiation per (dtype, head-dim bucket); each lives
+// in a one-line .cu file that CMake generates (cmake/cuda.cmake), so they compile in parallel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace jax_varlen::cuda {
+
+// Head-dim buckets of the tensor-core kernel: max(D, Dv) rounds up to one of these.
+constexpr int kHeadDimBuckets[] = {64, 128, 256};
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_fwd_tc(const AttentionParams& p, cudaStream_t stream);
+
+template <typename Elem>
+cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream);
+
+// Picks the kernel for p on the current device and launches it on stream.
+cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace jax_varlen::cuda
