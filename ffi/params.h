@@ -33,6 +33,15 @@ struct AttentionParams {
   int64_t head_dim;      // D of q and k
   int64_t head_dim_v;    // Dv of v and out
 
+  // Split-KV (decode) path: each sequence's allowed keys are cut into chunks of split_keys
+  // keys (a constant, never derived from the batch), each chunk's normalized partial output
+  // and base-2 lse go to `workspace`, and a second kernel merges them in chunk order.
+  // split_keys = 0 selects the one-pass kernels. Layout, rows_pad = ceil(seqlen_q * group / 16) * 16:
+  //   o_part   [batch, kv_num_heads, max_splits, rows_pad, head_dim_v] fp32
+  //   lse_part [batch, kv_num_heads, max_splits, rows_pad] fp32, right after o_part
+  float* workspace;
+  int64_t split_keys;
+
   float scale;    // multiplies <q, k>
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)
   bool is_causal;  // tail-aligned: key j allowed for query i iff j <= i + n - seqlen_q

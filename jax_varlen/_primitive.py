@@ -18,8 +18,13 @@ from jax.interpreters import batching, mlir
 from jax_varlen import _ffi
 from jax_varlen._config import AttentionConfig
 
-# Head sizes the CUDA kernels are instantiated for; others round up to the next bucket.
+# The CUDA kernels take head sizes up to this; smaller ones round up to a bucket (64, 128, 256).
 CUDA_MAX_HEAD_DIM = 256
+# Split-KV (decode) path: used for up to this many queries per sequence, cutting each
+# sequence's keys into chunks of SPLIT_KEYS. The chunk is a constant (never derived from the
+# batch), so a sequence's result does not depend on its batch-mates.
+SPLIT_MAX_SEQLEN_Q = 16
+SPLIT_KEYS = 1024
 
 attention_fwd_p = Primitive("jax_varlen_attention_fwd")
 attention_fwd_p.multiple_results = True
@@ -79,6 +84,23 @@ def _lower_cpu(ctx, *args, config):
     return jax.ffi.ffi_lowering(_ffi.CPU_TARGET)(ctx, *args, **_ffi_attrs(config))
 
 
+def split_keys_for(query_aval) -> int:
+    """Keys per split-KV chunk for this call on CUDA, or 0 for the one-pass kernel."""
+    short = query_aval.shape[1] <= SPLIT_MAX_SEQLEN_Q
+    return SPLIT_KEYS if short and query_aval.dtype in (jnp.float16, jnp.bfloat16) else 0
+
+
+def split_workspace_shape(query_aval, key_aval, value_aval, split_keys: int):
+    """Float32 workspace of the split-KV path (layout: ffi/params.h), empty when unused."""
+    if not split_keys:
+        return (0,)
+    B, Sq, H, _ = query_aval.shape
+    Skv, Hkv = key_aval.shape[1:3]
+    rows_pad = -(-Sq * (H // Hkv) // 16) * 16
+    max_splits = -(-Skv // split_keys)
+    return (B * Hkv * max_splits * rows_pad * (value_aval.shape[3] + 1),)
+
+
 def _lower_cuda(ctx, query, *args, config):
     if not _ffi.has_cuda():
         raise RuntimeError(
@@ -94,7 +116,18 @@ def _lower_cuda(ctx, query, *args, config):
             f"jax_varlen on CUDA supports head sizes up to {CUDA_MAX_HEAD_DIM}; got query/key "
             f"head size {head_dim} and value head size {head_dim_v}"
         )
-    return jax.ffi.ffi_lowering(_ffi.CUDA_TARGET)(ctx, query, *args, **_ffi_attrs(config))
+    # The split-KV workspace is a third result that only the CUDA call has: XLA allocates it
+    # (the handler never does), and nothing reads it after the call.
+    q_aval, k_aval, v_aval, _ = ctx.avals_in
+    split_keys = split_keys_for(q_aval)
+    workspace = jax.core.ShapedArray(
+        split_workspace_shape(q_aval, k_aval, v_aval, split_keys), jnp.float32
+    )
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
+    out, lse, _ = jax.ffi.ffi_lowering(_ffi.CUDA_TARGET)(
+        ctx, query, *args, **_ffi_attrs(config), split_keys=np.int64(split_keys)
+    )
+    return [out, lse]
 
 
 mlir.register_lowering(attention_fwd_p, _lower_cpu, platform="cpu")

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "cuda/ptx.h"
+#include "cuda/tile.h"
 #include "cuda/tile_scheduler.h"
 
 namespace jax_varlen::cuda {
@@ -28,19 +29,6 @@ struct TcTraits {
   // sQ [kBlockM, kHeadDim], sK and sV [kBlockN, kHeadDim], 16-bit elements
   static constexpr size_t kSmemBytes = size_t(kBlockM + 2 * kBlockN) * kHeadDim * 2;
 };
-
-// Element offset of (row, 16-byte chunk) in a [rows, kHeadDim] smem tile. Chunks are XOR-
-// swizzled by row % 8, so the 8 rows one ldmatrix reads land in 8 different bank groups.
-template <int kHeadDim>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx: exp2(-inf) = +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Copies kRows rows of `dim` elements into a swizzled [kRows, kHeadDim] tile; row r comes from
 // src(r), or is zeros when src(r) is null. Columns past dim are zeros too. Zero-filling copies

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "cuda/fwd_split_layout.h"
 #include "cuda/launch.h"
 #include "handler_common.h"
 
@@ -16,12 +17,19 @@ constexpr int64_t kMaxGridYZ = 65535;
 ffi::Error attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key,
                               ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
                               ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, bool is_causal,
-                              float softcap) {
+                              ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                              ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
+                              bool is_causal, float softcap, int64_t split_keys) {
   auto params = make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, scale, is_causal,
                             softcap);
   if (!params) return params.error();
-  const AttentionParams& p = *params;
+  AttentionParams& p = *params;
+  p.workspace = workspace->typed_data();
+  p.split_keys = split_keys;
+  if (split_keys < 0 || (split_keys > 0 && workspace->element_count() != size_t(cuda::split_workspace_floats(p))))
+    return ffi::Error::InvalidArgument(
+        "jax_varlen: split-KV workspace has " + std::to_string(workspace->element_count()) +
+        " floats, expected " + std::to_string(split_keys > 0 ? cuda::split_workspace_floats(p) : 0));
   if (p.head_dim > kMaxHeadDim || p.head_dim_v > kMaxHeadDim)
     return ffi::Error::InvalidArgument(
         "jax_varlen: CUDA head sizes must be <= 256, got head_dim " + std::to_string(p.head_dim) +
@@ -51,7 +59,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // nonpad_kv_seqlen [B], on the device
         .Ret<xla::ffi::AnyBuffer>()                     // out [B, Sq, H, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [B, H, Sq]
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // workspace: split-KV partials (params.h)
         .Attr<float>("scale")                           // multiplies <q, k>
         .Attr<bool>("is_causal")                        // tail-aligned causal mask
-        .Attr<float>("softcap"),                        // 0 = off
+        .Attr<float>("softcap")                         // 0 = off
+        .Attr<int64_t>("split_keys"),                   // 0 = one pass; else keys per split
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -16,6 +16,10 @@ constexpr int kHeadDimBuckets[] = {64, 128, 256};
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_tc(const AttentionParams& p, cudaStream_t stream);
 
+// Split-KV decode path (p.split_keys > 0): partials into p.workspace, then a merge kernel.
+template <typename Elem, int kHeadDim>
+cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream);
+
 template <typename Elem>
 cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream);
 
