@@ -1,0 +1,118 @@
+"""The independent oracle: dense, masked attention in plain JAX, following SPEC.md.
+
+Every score `[B, H, Sq, Skv]` is computed, then masked; nothing here is fast or shared with
+the kernels, so the kernels can be tested against it. It is differentiable (gradients for
+query, key and value), and works under `jit` and `vmap`.
+
+Choices where SPEC.md is silent:
+- Compute dtype is `promote(float32, query.dtype)`: fp32 for f32/f16/bf16, fp64 for f64
+  inputs (x64 enabled), which the spec does not cover but a test baseline may want.
+- `lse` is always float32, as the spec's table says, even for f64 inputs.
+- `softcap` is a static Python number (it picks a code path); `scale` may be traced.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def reference(
+    query,
+    key,
+    value,
+    nonpad_kv_seqlen,
+    *,
+    num_heads=None,
+    kv_num_heads=None,
+    scale=None,
+    is_causal=False,
+    softcap=0.0,
+    return_lse=False,
+):
+    """Variable-length attention over a padded batch, computed densely and masked.
+
+    Args:
+      query: `[B, Sq, H, D]`, or `[B, Sq, H*D]` with `num_heads`.
+      key: `[B, Skv, Hkv, D]`, or `[B, Skv, Hkv*D]` with `kv_num_heads` (default `num_heads`).
+      value: `[B, Skv, Hkv, Dv]`, or `[B, Skv, Hkv*Dv]`.
+      nonpad_kv_seqlen: `[B]` ints; keys `j >= n_b` are padding (any bits, NaN included).
+        Values outside `[0, Skv]` are clamped into it.
+      num_heads, kv_num_heads: head counts, needed only for rank-3 inputs.
+      scale: multiplies `<q, k>`; default `1/sqrt(D)`.
+      is_causal: tail-aligned (bottom-right) causal mask: key `j` is allowed for query `i`
+        iff `j <= i + (n - Sq)`.
+      softcap: if `> 0`, scores become `softcap * tanh(s / softcap)` before masking.
+      return_lse: also return the log-sum-exp of the allowed scores.
+
+    Returns:
+      `out` with the rank and dtype of `query` (`[B, Sq, H, Dv]` or `[B, Sq, H*Dv]`); with
+      `return_lse`, `(out, lse)` where `lse` is float32 `[B, H, Sq]`. A query row with no
+      allowed key gives zeros and `lse = -inf`.
+    """
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    rank3 = query.ndim == 3
+    if rank3:
+        if num_heads is None:
+            raise ValueError("num_heads is required for rank-3 [B, S, H*D] inputs")
+        kv_num_heads = num_heads if kv_num_heads is None else kv_num_heads
+        query = query.reshape(query.shape[:2] + (num_heads, -1))
+        key = key.reshape(key.shape[:2] + (kv_num_heads, -1))
+        value = value.reshape(value.shape[:2] + (kv_num_heads, -1))
+
+    batch, seqlen_q, heads, head_dim = query.shape
+    seqlen_k, kv_heads = key.shape[1], key.shape[2]
+    out_dtype = query.dtype
+    compute = jnp.promote_types(jnp.float32, query.dtype)
+    if scale is None:
+        scale = 1.0 / head_dim**0.5
+
+    # n: [B], clamped so that it can index [0, Skv].
+    n = jnp.clip(jnp.asarray(nonpad_kv_seqlen).astype(jnp.int32), 0, seqlen_k)
+
+    # Zero padded keys/values before any product: p * NaN would be NaN even where p == 0.
+    # The where also makes their gradients exactly zero.
+    kv_valid = (jnp.arange(seqlen_k)[None, :] < n[:, None])[:, :, None, None]  # [B, Skv, 1, 1]
+    q = query.astype(compute)
+    k = jnp.where(kv_valid, key.astype(compute), 0)
+    v = jnp.where(kv_valid, value.astype(compute), 0)
+
+    # GQA/MQA: query head h reads kv head h // (H // Hkv); repeat maps exactly that way
+    # (e.g. H=4, Hkv=2: kv heads [0, 0, 1, 1]).
+    group = heads // kv_heads
+    k = jnp.repeat(k, group, axis=2)  # [B, Skv, H, D]
+    v = jnp.repeat(v, group, axis=2)  # [B, Skv, H, Dv]
+
+    s = scale * jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=_HIGHEST)  # [B, H, Sq, Skv]
+    if softcap > 0:
+        s = softcap * jnp.tanh(s / softcap)
+
+    # allowed: [B, 1, Sq, Skv]. Worked example, causal, Sq=3, n=5: query 0 sees keys 0..2,
+    # query 2 sees keys 0..4. With n=1 < Sq=3, queries 0 and 1 see nothing.
+    i = jnp.arange(seqlen_q)[:, None]
+    j = jnp.arange(seqlen_k)[None, :]
+    nb = n[:, None, None, None]
+    allowed = j < nb
+    if is_causal:
+        allowed = allowed & (j <= i + (nb - seqlen_q))
+    any_allowed = jnp.any(allowed, axis=-1, keepdims=True)  # [B, 1, Sq, 1]
+
+    # Double where: masked rows use a safe max (0) and a safe sum (1), so neither the
+    # forward nor the backward pass ever sees -inf - -inf or 0 / 0.
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(any_allowed, m, 0.0)
+    p = jnp.exp(s - m)  # masked scores are -inf, so p == 0 there
+    l = jnp.where(any_allowed, jnp.sum(p, axis=-1, keepdims=True), 1.0)
+
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / l, v, precision=_HIGHEST)  # [B, Sq, H, Dv]
+    out = out.astype(out_dtype)
+    if rank3:
+        out = out.reshape(batch, seqlen_q, -1)
+    if not return_lse:
+        return out
+    lse = jnp.where(any_allowed, m + jnp.log(l), -jnp.inf)[..., 0]  # [B, H, Sq]
+    return out, lse.astype(jnp.float32)
