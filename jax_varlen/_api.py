@@ -10,7 +10,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jax_varlen._config import AttentionConfig
-from jax_varlen._primitive import attention_fwd
+from jax_varlen._autodiff import attention_with_grad
 
 _FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 _LENGTH_DTYPES = (jnp.int32, jnp.int64)
@@ -205,7 +205,7 @@ def attention(
     check_shapes(query, key, value)
     lengths = check_lengths(nonpad_kv_seqlen, query.shape[0], key.shape[1])
     config = make_config(query.shape[3], scale, is_causal, softcap)
-    out, lse = attention_fwd(query, key, value, lengths, config)
+    out, lse = attention_with_grad(query, key, value, lengths, config)
     if rank == 3:
         out = out.reshape(out.shape[:2] + (-1,))
     return (out, lse) if return_lse else out
