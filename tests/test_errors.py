@@ -1,0 +1,195 @@
+"""Every bad input raises at trace time, naming the argument, the expected and the given value."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_varlen
+
+B, SQ, SKV, H, HKV, D, DV = 2, 5, 7, 4, 2, 8, 6
+
+
+def _arr(shape, dtype=jnp.float32):
+    return jnp.zeros(shape, dtype)
+
+
+def _good(rank=4, dtype=jnp.float32):
+    if rank == 4:
+        shapes = (B, SQ, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV)
+    else:
+        shapes = (B, SQ, H * D), (B, SKV, HKV * D), (B, SKV, HKV * DV)
+    return [_arr(s, dtype) for s in shapes] + [jnp.asarray([SKV, 3], jnp.int32)]
+
+
+def _args(q_shape, k_shape, v_shape, dtype=jnp.float32, **kw):
+    """Custom query/key/value shapes (and dtype) with valid lengths [1, 2]."""
+    arrays = [_arr(q_shape, dtype), _arr(k_shape, dtype), _arr(v_shape, dtype)]
+    return arrays + [jnp.asarray([1, 2], jnp.int32)], kw
+
+
+def _with(index, value, rank=4, **kw):
+    args = _good(rank)
+    args[index] = value
+    return args, kw
+
+
+# id -> (builder () -> (args, kwargs), exception type, regex that must match the message,
+#        whether the error also fires with traced arrays)
+CASES = {
+    "query-rank2": (lambda: _with(0, _arr((B, SQ))), ValueError,
+                    r"query must have rank 3 .* or 4 .*got shape \(2, 5\)", True),
+    "query-rank5": (lambda: _with(0, _arr((B, SQ, H, D, 1))), ValueError,
+                    r"query must have rank 3 .* or 4 .*got shape \(2, 5, 4, 8, 1\)", True),
+    "key-rank-differs": (lambda: _with(1, _arr((B, SKV, HKV * D))), ValueError,
+                         r"key must have the rank of query \(4\), got shape \(2, 7, 16\)", True),
+    "value-rank-differs": (lambda: _with(2, _arr((B, SKV, HKV, DV, 1))), ValueError,
+                           r"value must have the rank of query \(4\), got shape \(2, 7, 2, 6, 1\)",
+                           True),
+    "rank3-without-num_heads": (lambda: (_good(3), {}), ValueError,
+                                r"num_heads is required for rank-3.*got None", True),
+    "rank3-num_heads-zero": (lambda: (_good(3), dict(num_heads=0)), ValueError,
+                             r"num_heads must be a positive int, got 0", True),
+    "rank3-query-not-divisible": (
+        lambda: _with(0, _arr((B, SQ, 30)), rank=3, num_heads=4, kv_num_heads=2), ValueError,
+        r"query's last dimension \(30\) must be a multiple of num_heads \(4\)", True),
+    "rank3-key-not-divisible": (
+        lambda: _with(1, _arr((B, SKV, 17)), rank=3, num_heads=4, kv_num_heads=2), ValueError,
+        r"key's last dimension \(17\) must be a multiple of kv_num_heads \(2\)", True),
+    "rank3-kv_num_heads-not-dividing": (
+        lambda: _args((B, SQ, 4 * D), (B, SKV, 3 * D), (B, SKV, 3 * DV), num_heads=4,
+                      kv_num_heads=3),
+        ValueError, r"kv_num_heads \(3\) must divide num_heads \(4\)", True),
+    "num_heads-mismatch-rank4": (lambda: (_good(), dict(num_heads=3)), ValueError,
+                                 r"num_heads=3 does not match query's head axis.*\(2, 5, 4, 8\)",
+                                 True),
+    "kv_num_heads-mismatch-rank4": (
+        lambda: (_good(), dict(kv_num_heads=4)), ValueError,
+        r"kv_num_heads=4 does not match key's head axis.*\(2, 7, 2, 8\)", True),
+    "kv_num_heads-not-dividing": (
+        lambda: _args((B, SQ, 4, D), (B, SKV, 3, D), (B, SKV, 3, DV)),
+        ValueError, r"kv_num_heads \(3\) must divide num_heads \(4\)", True),
+    "value-heads-differ": (lambda: _with(2, _arr((B, SKV, 1, DV))), ValueError,
+                           r"value's head count must equal key's \(2\).*\(2, 7, 1, 6\)", True),
+    "qk-head-size": (lambda: _with(1, _arr((B, SKV, HKV, D + 1))), ValueError,
+                     r"key's head size must equal query's \(8\).*\(2, 7, 2, 9\)", True),
+    "head-size-zero": (lambda: _args((B, SQ, H, 0), (B, SKV, HKV, 0), (B, SKV, HKV, DV)),
+                       ValueError, r"head size must be at least 1.*\(2, 5, 4, 0\)", True),
+    "key-dtype-mix": (lambda: _with(1, _arr((B, SKV, HKV, D), jnp.float16)), TypeError,
+                      r"key must have query's dtype \(float32\), got float16", True),
+    "value-dtype-mix": (lambda: _with(2, _arr((B, SKV, HKV, DV), jnp.bfloat16)), TypeError,
+                        r"value must have query's dtype \(float32\), got bfloat16", True),
+    "query-int32": (
+        lambda: _args((B, SQ, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV), jnp.int32),
+        TypeError, r"query must be float32, float16 or bfloat16, got int32", True),
+    "query-float64": (
+        lambda: _args((B, SQ, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV), jnp.float64),
+        TypeError, r"query must be float32, float16 or bfloat16, got float64", True),
+    "lengths-float": (lambda: _with(3, jnp.asarray([1.0, 2.0])), TypeError,
+                      r"nonpad_kv_seqlen must be int32 or int64, got float32", True),
+    "lengths-wrong-shape": (lambda: _with(3, jnp.asarray([1, 2, 3], jnp.int32)), ValueError,
+                            r"nonpad_kv_seqlen must have shape \[B\] = \(2,\), got \(3,\)", True),
+    "lengths-2d": (lambda: _with(3, jnp.asarray([[1], [2]], jnp.int32)), ValueError,
+                   r"nonpad_kv_seqlen must have shape \[B\] = \(2,\), got \(2, 1\)", True),
+    "key-batch-mismatch": (lambda: _with(1, _arr((3, SKV, HKV, D))), ValueError,
+                           r"key's batch extent must equal query's \(2\).*\(3, 7, 2, 8\)", True),
+    "value-batch-mismatch": (lambda: _with(2, _arr((1, SKV, HKV, DV))), ValueError,
+                             r"value's batch extent must equal query's \(2\).*\(1, 7, 2, 6\)",
+                             True),
+    "kv-seqlen-mismatch": (lambda: _with(2, _arr((B, SKV + 1, HKV, DV))), ValueError,
+                           r"value's sequence extent must equal key's \(7\).*\(2, 8, 2, 6\)",
+                           True),
+    "softcap-negative": (lambda: (_good(), dict(softcap=-1.0)), ValueError,
+                         r"softcap must be a finite value >= 0.*got -1\.0", True),
+    "softcap-nan": (lambda: (_good(), dict(softcap=math.nan)), ValueError,
+                    r"softcap must be a finite value >= 0.*got nan", True),
+    "softcap-inf": (lambda: (_good(), dict(softcap=math.inf)), ValueError,
+                    r"softcap must be a finite value >= 0.*got inf", True),
+    "scale-inf": (lambda: (_good(), dict(scale=math.inf)), ValueError,
+                  r"scale must be finite, got inf", True),
+    "scale-neg-inf": (lambda: (_good(), dict(scale=-math.inf)), ValueError,
+                      r"scale must be finite, got -inf", True),
+    "scale-nan": (lambda: (_good(), dict(scale=math.nan)), ValueError,
+                  r"scale must be finite, got nan", True),
+    "lengths-negative": (lambda: _with(3, np.asarray([7, -1], np.int32)), ValueError,
+                         r"nonpad_kv_seqlen\[1\] = -1 is out of range.*0 <= n <= Skv = 7", False),
+    "lengths-past-skv": (lambda: _with(3, jnp.asarray([8, 2], jnp.int32)), ValueError,
+                         r"nonpad_kv_seqlen\[0\] = 8 is out of range.*0 <= n <= Skv = 7", False),
+    "lengths-int64-past-int32": (lambda: _with(3, np.asarray([2**32 + 3, 1], np.int64)),
+                                 ValueError, r"nonpad_kv_seqlen\[0\] = 4294967299 is out of range",
+                                 False),
+}
+
+# float64 arrays only exist with x64 on (without it jnp and jit turn them into float32).
+_X64 = {"query-float64"}
+
+
+def _context(name):
+    return jax.enable_x64(True) if name in _X64 else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_raises_eagerly(name):
+    build, exc, match, _ = CASES[name]
+    with _context(name):
+        args, kw = build()
+        with pytest.raises(exc, match=match):
+            jax_varlen.attention(*args, **kw)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[3]])
+def test_raises_at_trace_time(name):
+    """Shape/dtype/attribute errors fire while tracing (abstract arrays, nothing runs)."""
+    build, exc, match, _ = CASES[name]
+    with _context(name):
+        args, kw = build()
+        specs = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in args]
+        with pytest.raises(exc, match=match):
+            jax.eval_shape(lambda *a: jax_varlen.attention(*a, **kw), *specs)
+        with pytest.raises(exc, match=match):
+            jax.jit(lambda *a: jax_varlen.attention(*a, **kw)).trace(*args)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if not c[3]])
+def test_concrete_lengths_raise_inside_jit(name):
+    """Lengths that are concrete while tracing (closed over) are checked like eager ones."""
+    build, exc, match, _ = CASES[name]
+    args, kw = build()
+    lengths = np.asarray(args[3])
+    with pytest.raises(exc, match=match):
+        jax.jit(lambda q, k, v: jax_varlen.attention(q, k, v, lengths, **kw))(*args[:3])
+
+
+def test_valid_inputs_do_not_raise():
+    """The base of every case above is valid, so each error comes from the one change."""
+    for rank, kw in ((4, {}), (3, dict(num_heads=H, kv_num_heads=HKV))):
+        out = jax_varlen.attention(*_good(rank), **kw)
+        assert out.shape == ((B, SQ, H, DV) if rank == 4 else (B, SQ, H * DV))
+
+
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(is_causal="yes"), TypeError, r"is_causal must be a bool, got 'yes'"),
+        (dict(scale="0.5"), TypeError, r"scale must be a Python float or None, got str"),
+        (dict(softcap=None), TypeError, r"softcap must be a Python float, got NoneType"),
+        (dict(num_heads=2.0), ValueError, r"num_heads must be a positive int, got 2\.0"),
+    ],
+    ids=["is_causal-str", "scale-str", "softcap-none", "num_heads-float"],
+)
+def test_bad_attribute_types(kw, exc, match):
+    args = _good(3 if "num_heads" in kw else 4)
+    with pytest.raises(exc, match=match):
+        jax_varlen.attention(*args, **kw)
+
+
+def test_non_array_argument():
+    args = _good()
+    args[1] = [[0.0]]
+    with pytest.raises(TypeError, match=r"key must be an array, got list"):
+        jax_varlen.attention(*args)
