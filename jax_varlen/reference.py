@@ -103,7 +103,7 @@ def reference(
     # Double where: masked rows use a safe max (0) and a safe sum (1), so neither the
     # forward nor the backward pass ever sees -inf - -inf or 0 / 0.
     s = jnp.where(allowed, s, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))
     m = jnp.where(any_allowed, m, 0.0)
     p = jnp.exp(s - m)  # masked scores are -inf, so p == 0 there
     l = jnp.where(any_allowed, jnp.sum(p, axis=-1, keepdims=True), 1.0)

@@ -256,12 +256,6 @@ def test_empty_extents(B, Sq, Skv, lengths, causal):
 
 
 @EMPTY
-def test_empty_extents_match_oracle(B, Sq, Skv, lengths, request):
-    if Skv == 0:
-        # The oracle itself fails here (jnp.max over an empty key axis); strict, so that the
-        # marker must go once reference() handles Skv = 0.
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=ValueError,
-            reason="reference() raises 'zero-size array to reduction operation max' for Skv=0"))
+def test_empty_extents_match_oracle(B, Sq, Skv, lengths):
     q, k, v, n = make_inputs(B, Sq, Skv, 4, 2, 8, 6, jnp.float32, lengths, seed=31)
     check_against_oracle(q, k, v, n, is_causal=True)
