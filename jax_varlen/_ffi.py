@@ -14,6 +14,7 @@ _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}  # the names XLA's registry expec
 @functools.cache
 def extension():
     """The compiled module ``jax_varlen._jax_varlen``, with every target registered."""
+    _use_installed_extension()
     try:
         from jax_varlen import _jax_varlen
     except ImportError as e:  # a source checkout that was never built
@@ -25,6 +26,34 @@ def extension():
         for name, capsule in targets.items():
             jax.ffi.register_ffi_target(name, capsule, platform=_XLA_PLATFORM[platform])
     return _jax_varlen
+
+
+def _use_installed_extension():
+    """Lets a source checkout that shadows the installed package find its compiled extension.
+
+    `python -m jax_varlen` (or `python -m pytest`) run from the repository root imports the
+    source folder, not the installed package: Python puts the current directory first on
+    sys.path, and the source folder has no `_jax_varlen*.so`. pip's record of the installed
+    distribution says where that file is; its folder joins the package's search path.
+    """
+    import importlib.metadata
+    import importlib.util
+    import pathlib
+
+    import jax_varlen
+
+    if importlib.util.find_spec("jax_varlen._jax_varlen") is not None:
+        return
+    try:
+        files = importlib.metadata.distribution("jax_varlen").files or ()
+    except importlib.metadata.PackageNotFoundError:
+        return
+    for f in files:
+        if f.name.startswith("_jax_varlen") and f.suffix in (".so", ".pyd"):
+            folder = str(pathlib.Path(f.locate()).resolve().parent)
+            if folder not in jax_varlen.__path__:
+                jax_varlen.__path__.append(folder)
+            return
 
 
 def has_cuda() -> bool:
