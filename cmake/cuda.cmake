@@ -6,7 +6,9 @@ find_package(CUDAToolkit REQUIRED)
 
 # Machine code for sm_80 (Ampere) and sm_90a (Hopper; the target wgmma will need), plus
 # compute_80 PTX so that newer GPUs can JIT the kernels.
-set(CMAKE_CUDA_ARCHITECTURES 80-real 90a-real 80-virtual)
+# JAX_VARLEN_CUDA_ARCHS overrides the list (e.g. "90a-real" for a quick build on one H100/H200).
+set(JAX_VARLEN_CUDA_ARCHS "80-real;90a-real;80-virtual" CACHE STRING "CUDA architectures to build")
+set(CMAKE_CUDA_ARCHITECTURES ${JAX_VARLEN_CUDA_ARCHS})
 set(CMAKE_CUDA_STANDARD 17)
 
 set(instantiation_dir "${CMAKE_CURRENT_BINARY_DIR}/instantiations")
