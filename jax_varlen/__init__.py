@@ -2,11 +2,28 @@
 
 Public API: :func:`attention` (padded batch + ``nonpad_kv_seqlen``) and :func:`reference`
 (the pure-JAX oracle of the same contract).
+
+Multiple devices (docs/multi_device.md): :func:`merge_attention` and
+:func:`sequence_parallel_attention` (KV cache split along its sequence axis);
+:func:`export_disabled_checks`, :func:`register_ffi_targets` and :func:`without_debug_checks`
+for ``jax.export``.
 """
 
 from jax_varlen._api import attention
+from jax_varlen._export import export_disabled_checks, register_ffi_targets, without_debug_checks
+from jax_varlen._merge import merge_attention
+from jax_varlen._seqpar import sequence_parallel_attention
 from jax_varlen.reference import reference
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "reference", "__version__"]
+__all__ = [
+    "attention",
+    "reference",
+    "merge_attention",
+    "sequence_parallel_attention",
+    "export_disabled_checks",
+    "register_ffi_targets",
+    "without_debug_checks",
+    "__version__",
+]

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import batching
 
-from jax_varlen import _ffi
+from jax_varlen import _ffi, _sharding
 from jax_varlen._config import AttentionConfig
 
 # The CUDA kernels take head sizes up to this; smaller ones round up to a bucket (64, 128, 256).
@@ -130,5 +130,16 @@ def _lower_cuda(ctx, query, *args, config):
     return [out, lse]
 
 
-mlir.register_lowering(attention_fwd_p, _lower_cpu, platform="cpu")
-mlir.register_lowering(attention_fwd_p, _lower_cuda, platform="cuda")
+# Sharded jit splits batch and whole kv-head groups with no communication; the sequence and
+# head-size axes stay whole (see _sharding.py for the mechanism and its limits).
+_sharding.register(
+    attention_fwd_p,
+    _sharding.ShardingRule(
+        operands=("b q (k g) d", "b s k d", "b s k e", "b"),  # query, key, value, lengths
+        results=("b q (k g) e", "b (k g) q"),  # out, lse; query head h = k * (H // Hkv) + g
+        parallel=("b", "k"),
+    ),
+    abstract_eval=_abstract_eval,
+    lowerings={"cpu": _lower_cpu, "cuda": _lower_cuda},
+    targets=(_ffi.CPU_TARGET, _ffi.CUDA_TARGET),
+)

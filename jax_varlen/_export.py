@@ -1,0 +1,72 @@
+"""``jax.export`` support: the safety checks our FFI targets need disabled, and registration.
+
+``jax.export`` refuses custom calls whose targets are not on its list of targets with a
+stability guarantee; ours are not (they are this package's ABI, stable only within a version
+of jax_varlen). Exporting a function that uses the op therefore needs
+``disabled_checks=jax_varlen.export_disabled_checks()``, and the process that deserializes and
+runs it needs the same (or a compatible) jax_varlen installed, with its targets registered.
+
+How the op partitions once exported (see ``_sharding.py``): split over the batch with no
+communication, by XLA's batch partitioner; split over heads only after gathering the heads.
+Code exported from a ``shard_map`` (fully manual) runs on its local blocks as written.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental import checkify
+
+from jax_varlen import _ffi
+
+
+def register_ffi_targets() -> None:
+    """Loads the compiled extension and registers all its FFI targets with XLA (idempotent).
+
+    Calling the op does this on first use; a process that only deserializes exported code
+    must call it before running that code (``jax.export.deserialize(...).call(...)``).
+    The targets' batch partitioners are registered when ``jax_varlen`` is imported.
+    """
+    _ffi.extension()
+
+
+def ffi_target_names() -> tuple[str, ...]:
+    """Every FFI target name this package can emit, on every platform, sorted.
+
+    The union of ``_ffi``'s ``*_TARGET`` constants (known even where the extension was built
+    without CUDA, e.g. exporting for CUDA from a CPU machine) and the targets the installed
+    extension registers.
+    """
+    names = {v for k, v in vars(_ffi).items() if k.endswith("_TARGET") and isinstance(v, str)}
+    try:
+        for targets in _ffi.extension().registrations().values():
+            names.update(targets)
+    except ImportError:  # a source tree without the extension: the constants still hold
+        pass
+    return tuple(sorted(names))
+
+
+def export_disabled_checks() -> list:
+    """``[jax.export.DisabledSafetyCheck.custom_call(name) for each of our FFI targets]``.
+
+    Pass it to ``jax.export.export(fun_jit, disabled_checks=...)``; add your own checks to the
+    list if ``fun_jit`` has other custom calls.
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in ffi_target_names()]
+
+
+def without_debug_checks(fun):
+    """``fun`` with its ``checkify.debug_check``s dropped, so that ``jax.export`` can serialize it.
+
+    ``attention`` checks traced lengths with ``checkify.debug_check`` (reported under
+    ``checkify.checkify``, free otherwise). The check leaves an effect in the jaxpr that
+    ``Exported.serialize()`` cannot encode (``NotImplementedError: Effect ErrorEffect ...
+    must have a nullary constructor``). Functionalizing ``fun`` with no error set enabled
+    discards the checks and the effect; everything else is unchanged (out-of-range lengths are
+    still clamped by the kernels). User ``checkify.check``s inside ``fun`` are dropped too.
+    """
+
+    def checked(*args, **kwargs):
+        _, out = checkify.checkify(fun, errors=frozenset())(*args, **kwargs)
+        return out
+
+    return checked
