@@ -5,12 +5,11 @@ Public API: :func:`attention` (padded batch + ``nonpad_kv_seqlen``) and :func:`r
 
 Multiple devices (docs/multi_device.md): :func:`merge_attention` and
 :func:`sequence_parallel_attention` (KV cache split along its sequence axis);
-:func:`export_disabled_checks`, :func:`register_ffi_targets` and :func:`without_debug_checks`
-for ``jax.export``.
+:func:`export_disabled_checks` and :func:`register_ffi_targets` for ``jax.export``.
 """
 
 from jax_varlen._api import attention
-from jax_varlen._export import export_disabled_checks, register_ffi_targets, without_debug_checks
+from jax_varlen._export import export_disabled_checks, register_ffi_targets
 from jax_varlen._merge import merge_attention
 from jax_varlen._seqpar import sequence_parallel_attention
 from jax_varlen.reference import reference
@@ -24,6 +23,5 @@ __all__ = [
     "sequence_parallel_attention",
     "export_disabled_checks",
     "register_ffi_targets",
-    "without_debug_checks",
     "__version__",
 ]

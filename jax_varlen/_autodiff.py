@@ -40,6 +40,7 @@ def _bwd(config, residuals, cotangents):
     G = H // Hkv  # query heads per kv head: query head h = g * G + r reads kv head g
     f32 = jnp.float32
 
+    lengths = jnp.clip(lengths, 0, Skv)  # as the kernels do with out-of-range values
     valid = jnp.arange(Skv)[None, :] < lengths[:, None]  # [B, Skv]
     k = jnp.where(valid[:, :, None, None], key.astype(f32), 0.0)
     v = jnp.where(valid[:, :, None, None], value.astype(f32), 0.0)

@@ -14,7 +14,6 @@ Code exported from a ``shard_map`` (fully manual) runs on its local blocks as wr
 from __future__ import annotations
 
 import jax
-from jax.experimental import checkify
 
 from jax_varlen import _ffi
 
@@ -52,21 +51,3 @@ def export_disabled_checks() -> list:
     list if ``fun_jit`` has other custom calls.
     """
     return [jax.export.DisabledSafetyCheck.custom_call(name) for name in ffi_target_names()]
-
-
-def without_debug_checks(fun):
-    """``fun`` with its ``checkify.debug_check``s dropped, so that ``jax.export`` can serialize it.
-
-    ``attention`` checks traced lengths with ``checkify.debug_check`` (reported under
-    ``checkify.checkify``, free otherwise). The check leaves an effect in the jaxpr that
-    ``Exported.serialize()`` cannot encode (``NotImplementedError: Effect ErrorEffect ...
-    must have a nullary constructor``). Functionalizing ``fun`` with no error set enabled
-    discards the checks and the effect; everything else is unchanged (out-of-range lengths are
-    still clamped by the kernels). User ``checkify.check``s inside ``fun`` are dropped too.
-    """
-
-    def checked(*args, **kwargs):
-        _, out = checkify.checkify(fun, errors=frozenset())(*args, **kwargs)
-        return out
-
-    return checked

@@ -15,7 +15,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching
 
-from jax_varlen import _ffi, _sharding
+from jax_varlen import _checkify, _ffi, _sharding
 from jax_varlen._config import AttentionConfig
 
 # The CUDA kernels take head sizes up to this; smaller ones round up to a bucket (64, 128, 256).
@@ -143,3 +143,6 @@ _sharding.register(
     lowerings={"cpu": _lower_cpu, "cuda": _lower_cuda},
     targets=(_ffi.CPU_TARGET, _ffi.CUDA_TARGET),
 )
+
+# Under checkify, lengths outside [0, Skv] are reported (elsewhere the kernels clamp them).
+_checkify.register_lengths_check(attention_fwd_p, 3, lambda q, k, v, n: k.shape[1])

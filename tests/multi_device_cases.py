@@ -296,8 +296,8 @@ def test_sequence_parallel_export_round_trip():
     """shard_map is fully manual: the exported module runs its blocks as written."""
     mesh = _sp_mesh()
     q, k, v, n = make_inputs(B, 1, SP_SKV, 8, 2, D, DV, jnp.float32, SP_LENGTHS, seed=22)
-    f = jax.jit(jax_varlen.without_debug_checks(functools.partial(
-        jax_varlen.sequence_parallel_attention, mesh=mesh, axis_name="s", batch_axis="b")))
+    f = jax.jit(functools.partial(
+        jax_varlen.sequence_parallel_attention, mesh=mesh, axis_name="s", batch_axis="b"))
     exp = jax.export.export(f, disabled_checks=jax_varlen.export_disabled_checks())(q, k, v, n)
     # The exported module runs on the mesh's 8 devices: give it arguments that live there.
     args = _put(mesh, (q, k, v, n), (P(),) * 4)
@@ -318,7 +318,7 @@ def test_sharded_export_round_trip(layout, tmp_path):
     b, h = LAYOUTS[layout]
     qkv = P(b, None, h, None)
     shardings = [NamedSharding(mesh, s) for s in (qkv, qkv, qkv, P(b))]
-    f = jax.jit(jax_varlen.without_debug_checks(_fn(is_causal=True)), in_shardings=shardings)
+    f = jax.jit(_fn(is_causal=True), in_shardings=shardings)
     exp = jax.export.export(f, disabled_checks=jax_varlen.export_disabled_checks())(*args)
     blob = exp.serialize()
     sharded = [jax.device_put(a, s) for a, s in zip(args, shardings)]

@@ -55,7 +55,7 @@ def test_export_without_disabled_checks_names_the_target():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_round_trip(dtype):
     args = _inputs(dtype)
-    fn = jax.jit(jax_varlen.without_debug_checks(_fn))
+    fn = jax.jit(_fn)
     exp = jax.export.export(fn, disabled_checks=jax_varlen.export_disabled_checks())(*args)
     blob = exp.serialize()
     out, lse = jax.export.deserialize(blob).call(*args)
@@ -70,33 +70,17 @@ def test_round_trip_rank3_gqa():
     def decode(q, k, v, n):
         return jax_varlen.attention(q, k, v, n, num_heads=8, kv_num_heads=2)
 
-    fn = jax.jit(jax_varlen.without_debug_checks(decode))
+    fn = jax.jit(decode)
     exp = jax.export.export(fn, disabled_checks=jax_varlen.export_disabled_checks())(q, k, v, n)
     out = jax.export.deserialize(exp.serialize()).call(q, k, v, n)
     assert bits(out) == bits(decode(q, k, v, n))
 
 
 @needs_flatbuffers
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="attention's checkify.debug_check on traced lengths leaves an ErrorEffect that "
-    "Exported.serialize() cannot encode; jax_varlen.without_debug_checks drops it. When this "
-    "passes, the effect is gone: drop the xfail and the without_debug_checks step from "
-    "docs/multi_device.md",
-)
-def test_round_trip_without_stripping_debug_checks():
-    args = _inputs()
-    checks = jax_varlen.export_disabled_checks()
-    exp = jax.export.export(jax.jit(_fn), disabled_checks=checks)(*args)
-    exp.serialize()
-
-
-@needs_flatbuffers
 def test_deserialize_in_a_fresh_process(tmp_path):
     """The deserializing process registers the targets with register_ffi_targets() only."""
     args = _inputs()
-    fn = jax.jit(jax_varlen.without_debug_checks(_fn))
+    fn = jax.jit(_fn)
     exp = jax.export.export(fn, disabled_checks=jax_varlen.export_disabled_checks())(*args)
     (tmp_path / "fn.bin").write_bytes(exp.serialize())
     np.savez(tmp_path / "args.npz", *[np.asarray(a) for a in args])
