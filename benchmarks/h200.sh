@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: build for sm_90a, run the GPU tests, then the benchmark; logs and results
+# land in $OUT (the device tool brings them back). Usage, from the repository root:
+#   bash benchmarks/h200.sh [tests] [bench] [decode]        (default: tests bench decode)
+# Env: PYTEST_K selects GPU tests (-k), SHAPES the benchmark shapes, OUT the output folder.
+set -u
+R=$(pwd)
+OUT=${OUT:-/tmp/out}
+STAGES=${*:-tests bench decode}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+t0=$(date +%s)
+python3 -m pip install --no-build-isolation --no-deps --target /tmp/site \
+  -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . >"$OUT/build.log" 2>&1 \
+  || { tail -30 "$OUT/build.log"; exit 1; }
+echo "build: $(($(date +%s) - t0)) s"
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+cd /tmp  # the source folder would shadow the installed package
+for stage in $STAGES; do
+  case $stage in
+    tests) timeout 400 python3 -m pytest "$R/tests/test_gpu_forward.py" -q -p no:cacheprovider \
+             --durations=5 -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
+    bench) timeout 300 python3 "$R/benchmarks/bench.py" --out "$OUT" \
+             ${SHAPES:+--shapes "$SHAPES"} 2>&1 | tail -14 ;;
+    decode) timeout 200 python3 "$R/benchmarks/bench.py" --out "$OUT" --tag decode \
+             --shapes decode-full,decode-skewed --decode 2>&1 | tail -6 ;;
+  esac
+done
