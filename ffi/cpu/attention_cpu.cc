@@ -7,7 +7,9 @@
 
 #include "cpu/numeric.h"
 
-namespace jax_varlen::cpu {
+// This file is compiled once per instruction set (CMakeLists.txt): JV_CPU_ISA names the
+// namespace of this copy, e.g. jax_varlen::cpu::avx2 built with -mavx2 -mfma.
+namespace jax_varlen::cpu::JV_CPU_ISA {
 namespace {
 
 constexpr int64_t kRowsPerItem = 64;  // query rows of one work item
@@ -153,4 +155,4 @@ void run_work_item(const AttentionParams& p, int64_t item) {
   }
 }
 
-}  // namespace jax_varlen::cpu
+}  // namespace jax_varlen::cpu::JV_CPU_ISA
