@@ -1,0 +1,95 @@
+"""The split-KV decode path (Sq <= 16, f16/bf16 on CUDA): that it is taken, and that it is
+right, deterministic and batch-invariant on the GPU.
+
+The path choice is made at lowering time (``_primitive.split_keys_for``), so whether it is taken
+can be read off the lowered program on any machine whose extension has the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_varlen
+from jax_varlen import _ffi, _primitive
+from conftest import (
+    assert_lse_close,
+    assert_out_close,
+    bits,
+    make_inputs,
+    oracle_hi,
+    oracle_same_precision,
+)
+
+
+def _lowered_split_keys(Sq, dtype):
+    q = jax.ShapeDtypeStruct((2, Sq, 8, 64), dtype)
+    k = jax.ShapeDtypeStruct((2, 3000, 2, 64), dtype)
+    n = jax.ShapeDtypeStruct((2,), jnp.int32)
+    f = jax.jit(lambda q, k, v, n: jax_varlen.attention(q, k, v, n))
+    text = f.trace(q, k, k, n).lower(lowering_platforms=("cuda",)).as_text()
+    found = re.findall(r"split_keys = (\d+)", text)
+    assert len(found) == 1, text
+    return int(found[0])
+
+
+@pytest.mark.skipif(not _ffi.has_cuda(), reason="the extension was built without CUDA kernels")
+@pytest.mark.parametrize("Sq", [1, 2, 4, 16, 17, 128])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=["bf16", "f16", "f32"])
+def test_split_path_is_chosen_for_short_queries(Sq, dtype):
+    expected = _primitive.SPLIT_KEYS if Sq <= 16 and dtype != jnp.float32 else 0
+    assert _lowered_split_keys(Sq, dtype) == expected
+
+
+# Cache lengths 0, 1, odd, full, and one very long among short; Skv crosses several splits.
+LENGTHS = {
+    "mixed": [0, 1, 1023, 1025, 3000, 17],
+    "skewed": [3000, 2, 5, 1, 9, 2049],
+}
+
+
+def _check(q, k, v, n, **kw):
+    out, lse = jax_varlen.attention(q, k, v, n, return_lse=True, **kw)
+    hi_out, hi_lse = oracle_hi(q, k, v, n, return_lse=True, **kw)
+    cpu = jax.devices("cpu")[0]
+    base = oracle_same_precision(*(jax.device_put(np.asarray(x), cpu) for x in (q, k, v, n)), **kw)
+    assert_out_close(out, hi_out, base, q.dtype)
+    assert_lse_close(lse, hi_lse)
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", list(LENGTHS))
+@pytest.mark.parametrize("Sq", [1, 2, 4, 16])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_decode_matches_oracle(pattern, Sq, causal):
+    lengths = LENGTHS[pattern]
+    q, k, v, n = make_inputs(len(lengths), Sq, 3000, 32, 8, 128, 128, jnp.bfloat16, lengths,
+                             seed=Sq * 7 + causal)
+    _check(q, k, v, n, is_causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,Dv,H,Hkv", [(64, 64, 8, 1), (256, 256, 4, 2), (128, 64, 16, 16)])
+def test_decode_head_sizes_and_softcap(D, Dv, H, Hkv):
+    q, k, v, n = make_inputs(3, 3, 2100, H, Hkv, D, Dv, jnp.float16, [2100, 1, 1500], seed=D)
+    _check(q, k, v, n, is_causal=True, softcap=5.0)
+
+
+@pytest.mark.gpu
+def test_decode_deterministic_and_batch_invariant():
+    lengths = LENGTHS["mixed"]
+    q, k, v, n = make_inputs(len(lengths), 4, 3000, 32, 8, 128, 128, jnp.bfloat16, lengths, seed=1)
+    f = jax.jit(lambda q, k, v, n: jax_varlen.attention(q, k, v, n, is_causal=True))
+    out = f(q, k, v, n)
+    assert bits(out) == bits(f(q, k, v, n))
+    # Sequence 4 (n = 3000) alone, and inside a batch padded to a longer cache.
+    alone = f(q[4:5], k[4:5], v[4:5], n[4:5])
+    assert bits(alone[0]) == bits(out[4])
+    pad = lambda x: jnp.concatenate([x, jnp.full((x.shape[0], 900) + x.shape[2:], jnp.nan, x.dtype)], 1)
+    wider = f(q[3:5], pad(k[3:5]), pad(v[3:5]), n[3:5])
+    assert bits(wider[1]) == bits(out[4])
