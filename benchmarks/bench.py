@@ -214,7 +214,10 @@ def run_shape(name, shape, impls, import_errors, args, base_record):
 def progress_line(rec):
     """'  d128-full   cudnn   12.345 ms  max_err 3.91e-03 ok' (or the error's first line)."""
     parts = [f"  {rec['shape']:26s} {rec['impl']:11s}",
-             f"{rec['ms']:9.3f} ms" if rec["ms"] is not None else "   failed"]
+             f"{rec['ms']:9.3f} ms" if rec["ms"] is not None
+             else "  skipped" if rec.get("skipped") else "   failed"]
+    if rec.get("skipped"):
+        parts.append(rec["skipped"])
     if rec.get("max_err") is not None:
         parts.append(f"max_err {rec['max_err']:.2e} {rec['check']}")
     elif "check" in rec:

@@ -19,8 +19,20 @@ def _fmt(x, spec):
     return "" if x is None else format(x, spec)
 
 
+def _fmt_bytes(n):
+    """1.5 GiB, 64 MiB, 256 KiB; '' for None."""
+    if n is None:
+        return ""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
 def _note(record):
-    """Error (shortened) or correctness-check result, whichever applies."""
+    """Skip reason, error (shortened) or correctness-check result, whichever applies."""
+    if record.get("skipped"):
+        return "skipped: " + record["skipped"]
     if record.get("error"):
         return "error: " + record["error"].splitlines()[0][:80]
     if "max_err" in record:
@@ -51,6 +63,33 @@ def markdown_table(records, shapes):
                 f"| {_fmt(eff, '.4g')} {unit if eff is not None else ''} "
                 f"| {_fmt(ratio, '.2f')} | {_fmt(ref, '')} | {_note(r)} |"
             )
+    return "\n".join(lines)
+
+
+def sweep_table(records):
+    """decode_sweep.py's records as one row per (B, Skv): effective TB/s per impl, then
+    jax_varlen's rate over each peer's. Notes list skips, errors and failed checks."""
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    peers = [i for i in impls if i != OURS] if OURS in impls else []
+    columns = ["B", "Skv", "K+V", *(f"{i} TB/s" for i in impls), *(f"ours/{p}" for p in peers)]
+    lines = ["| " + " | ".join(columns) + " | note |", "|" + "---:|" * len(columns) + "---|"]
+    for name in dict.fromkeys(r["shape"] for r in records):
+        rows = {r["impl"]: r for r in records if r["shape"] == name}
+        first = next(iter(rows.values()))
+        tbps = {i: rows[i].get("eff_tbps") if i in rows else None for i in impls}
+        ours = tbps.get(OURS)
+        ratios = [ours / tbps[p] if ours and tbps[p] else None for p in peers]
+        bad = [(i, r) for i, r in rows.items()  # skipped, failed, or not a clean check
+               if r.get("skipped") or r.get("error") or r.get("check", "ok") != "ok"]
+        reasons = {_note(r) for _, r in bad}
+        if len(bad) == len(rows) and len(reasons) == 1:
+            note = reasons.pop()  # e.g. the whole point skipped, for one reason
+        else:
+            note = "; ".join(f"{i}: {_note(r)}" for i, r in bad)
+        cells = [str(first.get("B", "")), str(first.get("Skv", "")),
+                 _fmt_bytes(first.get("kv_bytes")), *(_fmt(tbps[i], ".3g") for i in impls),
+                 *(_fmt(x, ".2f") for x in ratios), note]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

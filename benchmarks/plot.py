@@ -3,9 +3,15 @@
 Writes X.png next to it: grouped bars of effective TFLOP/s per shape and impl, and a second
 panel of effective TB/s for decode shapes (Sq == 1) when the file has any. Failed runs are
 left as gaps, marked "x" on the axis.
+
+A decode_sweep.py file (records with B and Skv) is drawn as lines instead: effective TB/s
+against cache length (log x), one line per (impl, B), with the H200's measured copy bandwidth
+as a horizontal line on H200 files; and, when the file has jax_varlen and cuDNN, a second
+panel of jax_varlen's TB/s over cuDNN's. Skipped or failed points are gaps in the lines.
 """
 
 import json
+import math
 import os
 import sys
 
@@ -15,6 +21,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 IMPL_ORDER = ("jax_varlen", "cudnn", "xla")
+COPY_TBPS = 4.30  # device-to-device copy (read + write) measured on the lent H200; NOTES.md
+LINE_STYLE = {"jax_varlen": ("-", "o"), "cudnn": ("--", "s"), "xla": (":", "^")}
 
 
 def load(path):
@@ -34,8 +42,7 @@ def is_decode(name, meta):
 def bar_panel(ax, records, key, ylabel):
     """Grouped bars: one group per shape (run order), one bar per impl; value = record[key]."""
     shapes = list(dict.fromkeys(r["shape"] for r in records))
-    impls = sorted({r["impl"] for r in records},
-                   key=lambda i: (IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER), i))
+    impls = sorted({r["impl"] for r in records}, key=impl_key)
     value = {(r["shape"], r["impl"]): r.get(key) for r in records}
     width = 0.8 / len(impls)
     for k, impl in enumerate(impls):
@@ -49,8 +56,77 @@ def bar_panel(ax, records, key, ylabel):
     ax.legend(fontsize=8)
 
 
+def impl_key(impl):
+    return (IMPL_ORDER.index(impl) if impl in IMPL_ORDER else len(IMPL_ORDER), impl)
+
+
+def is_sweep(records, meta):
+    return "sweep" in meta or bool(records) and all("Skv" in r and "B" in r for r in records)
+
+
+def cache_label(skv):
+    """1024 -> '1k', 131072 -> '128k', 64 -> '64'."""
+    return f"{skv // 1024}k" if skv >= 1024 and skv % 1024 == 0 else str(skv)
+
+
+def sweep_plot(path, records, meta):
+    """TB/s against Skv per (impl, B); NaN (skipped, failed) breaks a line."""
+    impls = sorted({r["impl"] for r in records}, key=impl_key)
+    batches = sorted({r["B"] for r in records})
+    caches = sorted({r["Skv"] for r in records})
+    tbps = {(r["impl"], r["B"], r["Skv"]): r.get("eff_tbps") for r in records}
+    value = lambda impl, b, s: tbps.get((impl, b, s)) or math.nan  # noqa: E731
+    colors = {b: plt.get_cmap("tab10")(k % 10) for k, b in enumerate(batches)}
+    ratio = "jax_varlen" in impls and "cudnn" in impls
+    fig, axes = plt.subplots(1, 2 if ratio else 1, figsize=(13 if ratio else 7.5, 5),
+                             squeeze=False, gridspec_kw={"width_ratios": [3, 2] if ratio else [1]})
+    ax = axes[0][0]
+    for impl in impls:
+        style, marker = LINE_STYLE.get(impl, ("-.", "d"))
+        for b in batches:
+            ys = [value(impl, b, s) for s in caches]
+            if all(math.isnan(y) for y in ys):
+                continue  # nothing ran for this (impl, B), e.g. xla at B = 256
+            ax.plot(caches, ys, linestyle=style, marker=marker, color=colors[b],
+                    label=f"{impl} B={b}")
+    device = meta.get("device", records[0].get("device", "") if records else "")
+    if "H200" in device:
+        ax.axhline(COPY_TBPS, color="gray", linestyle="-.", linewidth=1)
+        ax.annotate(f"device copy {COPY_TBPS:.2f} TB/s", (caches[0], COPY_TBPS),
+                    xytext=(2, 3), textcoords="offset points", fontsize=8, color="gray")
+    ax.set_ylabel("effective TB/s (valid K/V + Q + O bytes / time)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, ncol=len(impls), loc="upper left", bbox_to_anchor=(0, -0.12))
+
+    if ratio:
+        rax = axes[0][1]
+        for b in batches:
+            ys = [value("jax_varlen", b, s) / value("cudnn", b, s) for s in caches]
+            if not all(math.isnan(y) for y in ys):
+                rax.plot(caches, ys, marker="o", color=colors[b], label=f"B={b}")
+        rax.axhline(1.0, color="gray", linewidth=1)
+        rax.set_ylabel("jax_varlen TB/s / cuDNN TB/s")
+        rax.legend(fontsize=7)
+    for a in axes[0]:
+        a.set_xscale("log", base=2)
+        a.set_xticks(caches, [cache_label(s) for s in caches])
+        a.minorticks_off()
+        a.set_xlabel("KV cache length Skv (every sequence full; Sq = 1, H 32/8, D 128)")
+        a.grid(alpha=0.3)
+    first = records[0] if records else {}
+    smoke = "\nCPU smoke test: checks the script, not performance" if meta.get("cpu_smoke") else ""
+    fig.suptitle(f"{os.path.basename(path)}: {device}, {first.get('dtype', '')} decode, "
+                 f"jax {first.get('jax', '')}{smoke}", fontsize=10)
+    fig.tight_layout()
+    png = os.path.splitext(path)[0] + ".png"
+    fig.savefig(png, dpi=120)
+    return png
+
+
 def plot(path):
     records, meta = load(path)
+    if is_sweep(records, meta):
+        return sweep_plot(path, records, meta)
     prefill = [r for r in records if not is_decode(r["shape"], meta)]
     decode = [r for r in records if is_decode(r["shape"], meta)]
     panels = [(rs, key, label) for rs, key, label in (
