@@ -17,6 +17,7 @@
 #include <cmath>
 
 #include "cuda/ptx.h"
+#include "cuda/softmax.h"
 #include "cuda/tile.h"
 #include "cuda/fwd_split_layout.h"
 #include "cuda/tile_scheduler.h"
@@ -109,9 +110,7 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, 1)
     cp_async_commit();  // empty groups keep the wait counts uniform
   }
 
-  const float kLog2e = 1.4426950408889634f;
-  const float z_scale = kSoftcap ? p.scale / p.softcap : p.scale * kLog2e;
-  const float z_cap = p.softcap * kLog2e;
+  const ScoreScale scale(p.scale, p.softcap);
   float o[kDT][4];
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
@@ -138,41 +137,11 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, 1)
         mma_16816<Elem>(s[2 * np + 1], qa[ks], bk[2], bk[3]);
       }
     }
+    // Keys at or past key_end belong to the next split; keys past a row's limit are masked.
     const bool masked = n0 + Tr::kBlockN > blk.min_limit || n0 + Tr::kBlockN > key_end;
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      float mx = m[rr];
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int e = 2 * rr; e < 2 * rr + 2; ++e) {
-          float z = s[nt][e] * z_scale;
-          if constexpr (kSoftcap) z = z_cap * tanhf(z);
-          const int64_t key = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-          if (masked && (key >= limit[rr] || key >= key_end)) z = -INFINITY;
-          s[nt][e] = z;
-          mx = fmaxf(mx, z);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float m_use = mx == -INFINITY ? 0.0f : mx;
-      const float alpha = exp2_approx(m[rr] - m_use);
-      m[rr] = mx;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int e = 2 * rr; e < 2 * rr + 2; ++e) {
-          s[nt][e] = exp2_approx(s[nt][e] - m_use);
-          sum += s[nt][e];
-        }
-      l[rr] = l[rr] * alpha + sum;
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        o[dt][2 * rr] *= alpha;
-        o[dt][2 * rr + 1] *= alpha;
-      }
-    }
+    online_softmax<kSoftcap>(s, m, l, o, scale, masked, [&](int key, int rr) {
+      return n0 + key >= limit[rr] || n0 + key >= key_end;
+    });
 #pragma unroll
     for (int kk = 0; kk < kNT / 2; ++kk) {
       uint32_t a[4] = {pack2<Elem>(s[2 * kk][0], s[2 * kk][1]), pack2<Elem>(s[2 * kk][2], s[2 * kk][3]),

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "cuda/ptx.h"
+#include "cuda/softmax.h"
 #include "cuda/tile.h"
 #include "cuda/tile_scheduler.h"
 
@@ -105,10 +106,7 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
   load_k(0);
   cp_async_commit();
 
-  // Scores in base 2: z = s * scale * log2(e), or softcap * log2(e) * tanh(s * scale / softcap).
-  const float kLog2e = 1.4426950408889634f;
-  const float z_scale = kSoftcap ? p.scale / p.softcap : p.scale * kLog2e;
-  const float z_cap = p.softcap * kLog2e;
+  const ScoreScale scale(p.scale, p.softcap);
 
   float o[kMT][kDT][4];  // [rows, head_dim_v] fp32 accumulator fragments
   float m[kMT][2], l[kMT][2];  // running max (base 2) and this thread's partial row sums
@@ -155,46 +153,12 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
       }
     }
 
-    // Mask (only tiles that reach past some row's limit: the last tile, the causal diagonal)
-    // and online softmax. Element e of fragment nt sits at key n0 + nt*8 + 2*(lane%4) + e%2,
-    // row rr = e / 2.
+    // Mask only tiles that reach past some row's limit (the last tile, the causal diagonal).
     const bool masked = n0 + Tr::kBlockN > min_limit;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        float mx = m[mt][rr];
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int e = 2 * rr; e < 2 * rr + 2; ++e) {
-            float z = s[mt][nt][e] * z_scale;
-            if constexpr (kSoftcap) z = z_cap * tanhf(z);
-            if (masked && n0 + nt * 8 + 2 * (lane & 3) + (e & 1) >= limit[mt][rr]) z = -INFINITY;
-            s[mt][nt][e] = z;
-            mx = fmaxf(mx, z);
-          }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float m_use = mx == -INFINITY ? 0.0f : mx;  // a row with nothing allowed yet
-        const float alpha = exp2_approx(m[mt][rr] - m_use);
-        m[mt][rr] = mx;
-        float sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int e = 2 * rr; e < 2 * rr + 2; ++e) {
-            s[mt][nt][e] = exp2_approx(s[mt][nt][e] - m_use);
-            sum += s[mt][nt][e];
-          }
-        l[mt][rr] = l[mt][rr] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          o[mt][dt][2 * rr] *= alpha;
-          o[mt][dt][2 * rr + 1] *= alpha;
-        }
-      }
-    }
+    for (int mt = 0; mt < kMT; ++mt)
+      online_softmax<kSoftcap>(s[mt], m[mt], l[mt], o[mt], scale, masked,
+                               [&](int key, int rr) { return n0 + key >= limit[mt][rr]; });
 
     cp_async_wait_all();
     __syncthreads();  // V[t] landed; every warp is done reading K[t]

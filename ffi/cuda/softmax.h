@@ -1,0 +1,66 @@
+// Online softmax on the MMA accumulator fragments of one 16-row tile, shared by the
+// tensor-core kernels. Scores live in base 2: z = s * scale * log2(e), or with softcap
+// z = softcap * log2(e) * tanh(s * scale / softcap), so exp becomes one ex2.approx.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/tile.h"
+
+namespace jax_varlen::cuda {
+
+// Scale factors of the scores (see above): z = z_scale * s, then z_cap * tanh(z) if softcap.
+struct ScoreScale {
+  float z_scale;
+  float z_cap;
+  __device__ ScoreScale(float scale, float softcap)
+      : z_scale(softcap > 0.0f ? scale / softcap : scale * 1.4426950408889634f),
+        z_cap(softcap * 1.4426950408889634f) {}
+};
+
+// s: [kNT][4] fragments of scores for 8 * kNT keys; this thread holds rows lane/4 (rr = 0)
+// and lane/4 + 8 (rr = 1), element e of fragment nt at key offset nt*8 + 2*(lane%4) + e%2 and
+// row rr = e / 2. Turns s into unnormalized probabilities exp2(z - m), and updates the running
+// max m (quad-wide), this thread's partial row sums l, and rescales the accumulator o.
+// When `masked`, keys with masked_out(key_offset, rr) true get probability 0.
+template <bool kSoftcap, int kNT, int kDT, typename MaskedOut>
+__device__ __forceinline__ void online_softmax(float (&s)[kNT][4], float (&m)[2], float (&l)[2],
+                                               float (&o)[kDT][4], const ScoreScale& scale,
+                                               bool masked, MaskedOut masked_out) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float mx = m[rr];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 2 * rr; e < 2 * rr + 2; ++e) {
+        float z = s[nt][e] * scale.z_scale;
+        if constexpr (kSoftcap) z = scale.z_cap * tanhf(z);
+        if (masked && masked_out(nt * 8 + 2 * (lane & 3) + (e & 1), rr)) z = -INFINITY;
+        s[nt][e] = z;
+        mx = fmaxf(mx, z);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    const float m_use = mx == -INFINITY ? 0.0f : mx;  // a row with nothing allowed yet
+    const float alpha = exp2_approx(m[rr] - m_use);    // 0 while m[rr] is still -inf
+    m[rr] = mx;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 2 * rr; e < 2 * rr + 2; ++e) {
+        s[nt][e] = exp2_approx(s[nt][e] - m_use);
+        sum += s[nt][e];
+      }
+    l[rr] = l[rr] * alpha + sum;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      o[dt][2 * rr] *= alpha;
+      o[dt][2 * rr + 1] *= alpha;
+    }
+  }
+}
+
+}  // namespace jax_varlen::cuda
