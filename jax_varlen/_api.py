@@ -111,6 +111,10 @@ def check_shapes(query, key, value) -> None:
         )
     if D == 0:
         raise ValueError(f"head size must be at least 1, got query shape {tuple(query.shape)}")
+    if value.shape[3] == 0:
+        raise ValueError(
+            f"value's head size must be at least 1, got value shape {tuple(value.shape)}"
+        )
 
 
 def check_lengths(nonpad_kv_seqlen, batch: int, seqlen_k: int):

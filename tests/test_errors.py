@@ -80,6 +80,8 @@ CASES = {
                      r"key's head size must equal query's \(8\).*\(2, 7, 2, 9\)", True),
     "head-size-zero": (lambda: _args((B, SQ, H, 0), (B, SKV, HKV, 0), (B, SKV, HKV, DV)),
                        ValueError, r"head size must be at least 1.*\(2, 5, 4, 0\)", True),
+    "value-head-size-zero": (lambda: _with(2, _arr((B, SKV, HKV, 0))), ValueError,
+                             r"value's head size must be at least 1.*\(2, 7, 2, 0\)", True),
     "key-dtype-mix": (lambda: _with(1, _arr((B, SKV, HKV, D), jnp.float16)), TypeError,
                       r"key must have query's dtype \(float32\), got float16", True),
     "value-dtype-mix": (lambda: _with(2, _arr((B, SKV, HKV, DV), jnp.bfloat16)), TypeError,

@@ -69,10 +69,11 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
   auto lse_offset = [&](int64_t r) { return (b * p.num_heads + g * group + r % group) * p.seqlen_q + r / group; };
 
   if (blk.max_limit <= 0) {  // no row of this block may see a key: zero rows, lse = -inf
-    for (int64_t idx = threadIdx.x; idx < (blk.row_end - blk.row_begin) * p.head_dim_v; idx += Tr::kThreads) {
-      const int64_t r = blk.row_begin + idx / p.head_dim_v;
-      out[q_offset(r) * p.head_dim_v + idx % p.head_dim_v] = Elem(0.0f);
-      if (idx % p.head_dim_v == 0) p.lse[lse_offset(r)] = -INFINITY;
+    const int64_t chunks = p.head_dim_v / 8;  // 16-byte stores: head_dim_v % 8 == 0 here
+    for (int64_t idx = threadIdx.x; idx < (blk.row_end - blk.row_begin) * chunks; idx += Tr::kThreads) {
+      const int64_t r = blk.row_begin + idx / chunks, chunk = idx % chunks;
+      *reinterpret_cast<uint4*>(out + q_offset(r) * p.head_dim_v + chunk * 8) = make_uint4(0, 0, 0, 0);
+      if (chunk == 0) p.lse[lse_offset(r)] = -INFINITY;
     }
     return;
   }
