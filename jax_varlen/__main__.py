@@ -98,10 +98,10 @@ def _fail_missing_extension():
         )
     else:
         msg = (
-            f"jax_varlen's compiled extension (jax_varlen._jax_varlen) is not installed.\n"
-            f"fix: install the package from the repository root with `pip install .` "
-            f"(needs a C++17 compiler; CMake and the rest come from PyPI), then run "
-            f"`python -m jax_varlen` again."
+            "jax_varlen's compiled extension (jax_varlen._jax_varlen) is not installed.\n"
+            "fix: install the package from the repository root with `pip install .` "
+            "(needs a C++17 compiler; CMake and the rest come from PyPI), then run "
+            "`python -m jax_varlen` again."
         )
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)

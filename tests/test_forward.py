@@ -13,6 +13,7 @@ import jax_varlen
 from conftest import (
     DTYPES,
     HEADS,
+    assert_cases_cover_causal,
     bits,
     check_against_oracle,
     make_inputs,
@@ -84,12 +85,7 @@ def test_matches_oracle(case):
 
 
 def test_cases_cover_every_value_with_causal_on_and_off():
-    for axis, values in _AXES.items():
-        if axis == "causal":
-            continue
-        for value in values:
-            for causal in (False, True):
-                assert any(c[axis] == value and c["causal"] == causal for c in CASES), (axis, value)
+    assert_cases_cover_causal(_AXES, CASES)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

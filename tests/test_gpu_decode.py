@@ -11,18 +11,14 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_varlen
 from jax_varlen import _ffi, _primitive
 from conftest import (
-    assert_lse_close,
-    assert_out_close,
     bits,
+    check_against_oracle,
     make_inputs,
-    oracle_hi,
-    oracle_same_precision,
 )
 
 
@@ -52,16 +48,6 @@ LENGTHS = {
 }
 
 
-def _check(q, k, v, n, **kw):
-    out, lse = jax_varlen.attention(q, k, v, n, return_lse=True, **kw)
-    hi_out, hi_lse = oracle_hi(q, k, v, n, return_lse=True, **kw)
-    cpu = jax.devices("cpu")[0]
-    base = oracle_same_precision(*(jax.device_put(np.asarray(x), cpu) for x in (q, k, v, n)), **kw)
-    assert_out_close(out, hi_out, base, q.dtype)
-    assert_lse_close(lse, hi_lse)
-    return out, lse
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("pattern", list(LENGTHS))
 @pytest.mark.parametrize("Sq", [1, 2, 4, 16])
@@ -70,14 +56,14 @@ def test_decode_matches_oracle(pattern, Sq, causal):
     lengths = LENGTHS[pattern]
     q, k, v, n = make_inputs(len(lengths), Sq, 3000, 32, 8, 128, 128, jnp.bfloat16, lengths,
                              seed=Sq * 7 + causal)
-    _check(q, k, v, n, is_causal=causal)
+    check_against_oracle(q, k, v, n, is_causal=causal)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,Dv,H,Hkv", [(64, 64, 8, 1), (256, 256, 4, 2), (128, 64, 16, 16)])
 def test_decode_head_sizes_and_softcap(D, Dv, H, Hkv):
     q, k, v, n = make_inputs(3, 3, 2100, H, Hkv, D, Dv, jnp.float16, [2100, 1, 1500], seed=D)
-    _check(q, k, v, n, is_causal=True, softcap=5.0)
+    check_against_oracle(q, k, v, n, is_causal=True, softcap=5.0)
 
 
 @pytest.mark.gpu

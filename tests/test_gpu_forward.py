@@ -24,12 +24,12 @@ import jax_varlen
 from conftest import (
     DTYPES,
     HEADS,
+    assert_cases_cover_causal,
     assert_lse_close,
     assert_out_close,
     bits,
+    check_against_oracle,
     make_inputs,
-    oracle_hi,
-    oracle_same_precision,
     pairwise,
 )
 
@@ -79,24 +79,11 @@ def _case_id(c):
     ])
 
 
-def _on_cpu(*arrays):
-    cpu = jax.devices("cpu")[0]
-    return [jax.device_put(np.asarray(x), cpu) for x in arrays]
-
-
 def check_gpu(query, key, value, lengths, **kw):
-    """Our op on the GPU against the oracle on the CPU: float64 on exactly upcast inputs, and
-    (f16/bf16) on the very inputs as the same-precision baseline. The oracle runs on the CPU
-    because an XLA:CPU compile per shape costs a fraction of an XLA:GPU one."""
-    out, lse = jax_varlen.attention(query, key, value, lengths, return_lse=True, **kw)
-    assert out.dtype == query.dtype and lse.dtype == jnp.float32
-    hi_out, hi_lse = oracle_hi(query, key, value, lengths, return_lse=True, **kw)
-    base = None
-    if query.dtype != jnp.float32:
-        base = oracle_same_precision(*_on_cpu(query, key, value, lengths), **kw)
-    assert_out_close(out, hi_out, base, query.dtype)
-    assert_lse_close(lse, hi_lse)
-    return out, lse
+    """Our op on the GPU against the oracle on the CPU (float64; for f16/bf16 also the
+    same-precision baseline)."""
+    return check_against_oracle(query, key, value, lengths,
+                                baseline=query.dtype != jnp.float32, **kw)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -111,12 +98,7 @@ def test_matches_oracle(case):
 
 
 def test_cases_cover_every_value_with_causal_on_and_off():
-    for axis, values in _AXES.items():
-        if axis == "causal":
-            continue
-        for value in values:
-            for causal in (False, True):
-                assert any(c[axis] == value and c["causal"] == causal for c in CASES), (axis, value)
+    assert_cases_cover_causal(_AXES, CASES)
 
 
 @pytest.mark.parametrize("head_dim", OTHER_HEAD_DIMS)
