@@ -3,7 +3,8 @@
 # land in $OUT (the device tool brings them back). Usage, from the repository root:
 #   bash benchmarks/h200.sh [tests] [bench] [decode] [sweep]   (default: tests bench decode;
 #   the sweep stage takes up to 240 s, so e.g. `bash benchmarks/h200.sh decode sweep`)
-# Env: PYTEST_K selects GPU tests (-k), SHAPES the benchmark shapes, OUT the output folder.
+# Env: PYTEST_K selects GPU tests (-k), SHAPES the benchmark shapes, BENCH_ARGS more bench.py
+# flags (e.g. --quick), TESTS_S / BENCH_S stage time limits, OUT the output folder.
 set -u
 R=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -19,11 +20,11 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp  # the source folder would shadow the installed package
 for stage in $STAGES; do
   case $stage in
-    tests) timeout 240 python3 -m pytest "$R/tests/test_gpu_forward.py" "$R/tests/test_gpu_decode.py" -q -p no:cacheprovider \
+    tests) timeout ${TESTS_S:-270} python3 -m pytest "$R/tests/test_gpu_forward.py" "$R/tests/test_gpu_decode.py" -q -p no:cacheprovider \
              --durations=5 -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
-    bench) timeout 220 python3 "$R/benchmarks/bench.py" --out "$OUT" \
+    bench) timeout ${BENCH_S:-220} python3 "$R/benchmarks/bench.py" --out "$OUT" ${BENCH_ARGS:-} \
              ${SHAPES:+--shapes "$SHAPES"} 2>&1 | tail -14 ;;
-    decode) timeout 90 python3 "$R/benchmarks/bench.py" --out "$OUT" --tag decode \
+    decode) timeout 90 python3 "$R/benchmarks/bench.py" --out "$OUT" --tag decode ${BENCH_ARGS:-} \
              --shapes decode-full,decode-skewed --decode 2>&1 | tail -6 ;;
     sweep) timeout 240 python3 "$R/benchmarks/decode_sweep.py" --out "$OUT" 2>&1 \
              | tee "$OUT/decode_sweep.log" | tail -24 ;;
