@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build for sm_90a, run the GPU tests, then the benchmark; logs and results
 # land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [decode] [sweep]   (default: tests bench decode;
+#   bash benchmarks/h200.sh [tests] [bench] [decode] [sweep] [ncu]   (default: tests bench decode;
 #   the sweep stage takes up to 240 s, so e.g. `bash benchmarks/h200.sh decode sweep`)
 # Env: PYTEST_K selects GPU tests (-k), SHAPES the benchmark shapes, BENCH_ARGS more bench.py
 # flags (e.g. --quick), TESTS_S / BENCH_S stage time limits, OUT the output folder.
@@ -26,6 +26,11 @@ for stage in $STAGES; do
              ${SHAPES:+--shapes "$SHAPES"} 2>&1 | tail -14 ;;
     decode) timeout 90 python3 "$R/benchmarks/bench.py" --out "$OUT" --tag decode ${BENCH_ARGS:-} \
              --shapes decode-full,decode-skewed --decode 2>&1 | tail -6 ;;
+    ncu) timeout 200 ncu --clock-control none --target-processes all -k "regex:fwd_(tc|split)_kernel" \
+           --launch-count 4 --section SpeedOfLight --section Occupancy \
+           --section WarpStateStats --section SchedulerStats --section LaunchStats \
+           --section MemoryWorkloadAnalysis python3 "$R/benchmarks/ncu_case.py" ${NCU_SHAPES:-d128-full decode-full} \
+           >"$OUT/ncu.log" 2>&1; grep -E "Duration|Throughput|Warp Cycles Per Issued|Achieved Occ|Registers" "$OUT/ncu.log" | head -40 ;;
     sweep) timeout 240 python3 "$R/benchmarks/decode_sweep.py" --out "$OUT" 2>&1 \
              | tee "$OUT/decode_sweep.log" | tail -24 ;;
   esac

@@ -91,17 +91,26 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, 1)
   const int n_tiles = int((key_end - key_begin + Tr::kBlockN - 1) / Tr::kBlockN);
   const int my_tiles = n_tiles > warp ? (n_tiles - warp + Tr::kWarps - 1) / Tr::kWarps : 0;
   // Tile `it` of this warp: keys key_begin + (warp + kWarps * it) * kBlockN + [0, kBlockN).
+  // A lane always copies the same 16-byte chunk of rows row0 + i * kRowStep, so the addresses
+  // advance by one add per row (kChunks is 8, 16 or 32: it divides the warp).
+  constexpr int kRowStep = 32 / Tr::kChunks;
+  const int chunk = lane % Tr::kChunks, row0 = lane / Tr::kChunks;
+  const bool k_col = chunk * 8 < p.head_dim, v_col = chunk * 8 < p.head_dim_v;
   auto load = [&](int it) {
     Elem* sK = my_stages + (it % Tr::kStages) * 2 * Tr::kTileElems;
     Elem* sV = sK + Tr::kTileElems;
     const int64_t n0 = key_begin + int64_t(warp + Tr::kWarps * it) * Tr::kBlockN;
+    const int rows = int(key_end - n0 < Tr::kBlockN ? key_end - n0 : Tr::kBlockN);
+    const Elem* k_from = k_base + (n0 + row0) * k_stride + chunk * 8;
+    const Elem* v_from = v_base + (n0 + row0) * v_stride + chunk * 8;
 #pragma unroll
-    for (int idx = lane; idx < Tr::kBlockN * Tr::kChunks; idx += 32) {
-      const int row = idx / Tr::kChunks, chunk = idx % Tr::kChunks;
-      const bool key_ok = n0 + row < key_end;
-      const bool k_ok = key_ok && chunk * 8 < p.head_dim, v_ok = key_ok && chunk * 8 < p.head_dim_v;
-      cp_async_16(sK + swizzle<kHeadDim>(row, chunk), k_ok ? k_base + (n0 + row) * k_stride + chunk * 8 : k_base, k_ok);
-      cp_async_16(sV + swizzle<kHeadDim>(row, chunk), v_ok ? v_base + (n0 + row) * v_stride + chunk * 8 : v_base, v_ok);
+    for (int i = 0; i < Tr::kBlockN / kRowStep; ++i) {
+      const int row = row0 + i * kRowStep;
+      const bool k_ok = row < rows && k_col, v_ok = row < rows && v_col;
+      cp_async_16(sK + swizzle<kHeadDim>(row, chunk), k_ok ? k_from : k_base, k_ok);
+      cp_async_16(sV + swizzle<kHeadDim>(row, chunk), v_ok ? v_from : v_base, v_ok);
+      k_from += kRowStep * k_stride;
+      v_from += kRowStep * v_stride;
     }
   };
 #pragma unroll

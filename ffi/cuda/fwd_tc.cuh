@@ -45,6 +45,27 @@ __device__ __forceinline__ void load_tile(Elem* tile, const Elem* base, int64_t 
   }
 }
 
+// The K or V tile of keys [n0, n0 + kBlockN): rows from `first` (key n0's row) on, `stride`
+// elements apart; rows at or past `rows` and columns past `dim` are zeros. A thread always
+// copies the same 16-byte chunk of rows threadIdx.x / kChunks + i * kRowStep, so the address
+// is one add per row (this runs every tile).
+template <typename Tr, typename Elem>
+__device__ __forceinline__ void load_kv_tile(Elem* tile, const Elem* first, int64_t stride, int rows,
+                                             int64_t dim) {
+  constexpr int kRowStep = Tr::kThreads / Tr::kChunks;
+  static_assert(Tr::kThreads % Tr::kChunks == 0 && Tr::kBlockN % kRowStep == 0);
+  const int chunk = threadIdx.x % Tr::kChunks, row0 = threadIdx.x / Tr::kChunks;
+  const bool col_ok = chunk * 8 < dim;
+  const Elem* from = first + row0 * stride + chunk * 8;
+#pragma unroll
+  for (int i = 0; i < Tr::kBlockN / kRowStep; ++i) {
+    const int row = row0 + i * kRowStep;
+    const bool valid = col_ok && row < rows;
+    cp_async_16(tile + swizzle<Tr::kHeadDim>(row, chunk), valid ? from : first, valid);
+    from += kRowStep * stride;
+  }
+}
+
 // kSoftcap is a template policy: the tanh path costs registers the plain path needs.
 template <typename Elem, int kHeadDim, bool kSoftcap>
 __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDim>::kMinBlocksPerSm)
@@ -92,14 +113,9 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
   const Elem* v_base = static_cast<const Elem*>(p.v) + (b * p.seqlen_k * p.kv_num_heads + g) * p.head_dim_v;
   const int64_t k_stride = p.kv_num_heads * p.head_dim, v_stride = p.kv_num_heads * p.head_dim_v;
   const int64_t key_end = blk.max_limit;  // keys at or past it are zero-filled, never read
-  auto load_k = [&](int64_t n0) {
-    load_tile<Tr, Tr::kBlockN>(sK, k_base, p.head_dim, [&](int row) {
-      return n0 + row < key_end ? k_base + (n0 + row) * k_stride : nullptr; });
-  };
-  auto load_v = [&](int64_t n0) {
-    load_tile<Tr, Tr::kBlockN>(sV, v_base, p.head_dim_v, [&](int row) {
-      return n0 + row < key_end ? v_base + (n0 + row) * v_stride : nullptr; });
-  };
+  auto rows_left = [&](int64_t n0) { return int(key_end - n0 < Tr::kBlockN ? key_end - n0 : Tr::kBlockN); };
+  auto load_k = [&](int64_t n0) { load_kv_tile<Tr>(sK, k_base + n0 * k_stride, k_stride, rows_left(n0), p.head_dim); };
+  auto load_v = [&](int64_t n0) { load_kv_tile<Tr>(sV, v_base + n0 * v_stride, v_stride, rows_left(n0), p.head_dim_v); };
 
   load_tile<Tr, Tr::kBlockM>(sQ, q, p.head_dim, [&](int row) {
     const int64_t r = blk.row_begin + row;
@@ -128,7 +144,9 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
     load_v(n0);
     cp_async_commit();
 
-    // s = Q K[t]^T: [16 * kMT rows of this warp, kBlockN keys]
+    // s = Q K[t]^T: [16 * kMT rows of this warp, kBlockN keys]. The loops are fully unrolled
+    // (no early exit for a rounded-up bucket: its extra columns are zeros in sQ, sK and sV),
+    // so ptxas can issue the ldmatrix of the next step under the MMAs of this one.
     float s[kMT][kNT][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
@@ -136,7 +154,6 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
       for (int nt = 0; nt < kNT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      if (ks * 16 >= p.head_dim) break;  // zero columns of a rounded-up bucket
       uint32_t a[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
@@ -181,7 +198,6 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
       }
 #pragma unroll
       for (int dp = 0; dp < kDT / 2; ++dp) {
-        if (dp * 16 >= p.head_dim_v) break;
         uint32_t bv[4];  // transposed: matrices (keys 0-7 | 8-15) x (dims 0-7 | 8-15)
         const int mi = lane >> 3;
         ldmatrix_x4_trans(bv, sV + swizzle<kHeadDim>(kk * 16 + (mi & 1) * 8 + (lane & 7), dp * 2 + (mi >> 1)));

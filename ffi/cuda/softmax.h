@@ -22,25 +22,35 @@ struct ScoreScale {
 // and lane/4 + 8 (rr = 1), element e of fragment nt at key offset nt*8 + 2*(lane%4) + e%2 and
 // row rr = e / 2. Turns s into unnormalized probabilities exp2(z - m), and updates the running
 // max m (quad-wide), this thread's partial row sums l, and rescales the accumulator o.
-// When `masked`, keys with masked_out(key_offset, rr) true get probability 0.
+// When `masked` (uniform across the warp, true only for tiles at a row's limit), keys with
+// masked_out(key_offset, rr) true get probability 0; the common unmasked tile runs no
+// compare at all. The passes are separate so that each is a straight run of independent
+// instructions.
 template <bool kSoftcap, int kNT, int kDT, typename MaskedOut>
 __device__ __forceinline__ void online_softmax(float (&s)[kNT][4], float (&m)[2], float (&l)[2],
                                                float (&o)[kDT][4], const ScoreScale& scale,
                                                bool masked, MaskedOut masked_out) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    float mx = m[rr];
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float z = s[nt][e] * scale.z_scale;
+      if constexpr (kSoftcap) z = scale.z_cap * tanhf(z);
+      s[nt][e] = z;
+    }
+  if (masked) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int e = 2 * rr; e < 2 * rr + 2; ++e) {
-        float z = s[nt][e] * scale.z_scale;
-        if constexpr (kSoftcap) z = scale.z_cap * tanhf(z);
-        if (masked && masked_out(nt * 8 + 2 * (lane & 3) + (e & 1), rr)) z = -INFINITY;
-        s[nt][e] = z;
-        mx = fmaxf(mx, z);
-      }
+      for (int e = 0; e < 4; ++e)
+        if (masked_out(nt * 8 + 2 * (lane & 3) + (e & 1), e / 2)) s[nt][e] = -INFINITY;
+  }
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float mx = m[rr];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * rr], s[nt][2 * rr + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
     const float m_use = mx == -INFINITY ? 0.0f : mx;  // a row with nothing allowed yet
