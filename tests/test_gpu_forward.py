@@ -116,6 +116,15 @@ def test_rank3_and_explicit_scale(dtype):
     check_gpu(q, k, v, n, num_heads=8, kv_num_heads=2, scale=0.3, is_causal=True)
 
 
+@pytest.mark.parametrize("scale", [-0.7, 0.0])
+@pytest.mark.parametrize("Sq", [4, 37], ids=["split", "one-pass"])
+def test_nonpositive_scale(scale, Sq):
+    """The kernels fold a positive scale into the exp; zero and negative scales take the
+    transformed path and must agree with the oracle too."""
+    q, k, v, n = make_inputs(3, Sq, 1100, 8, 2, 128, 128, jnp.bfloat16, [1100, 0, 77], seed=31)
+    check_gpu(q, k, v, n, scale=scale, is_causal=True)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_padding_never_leaks(dtype, causal):

@@ -33,6 +33,8 @@ struct SplitTraits {
   static constexpr int kBlockN = kHeadDim <= 128 ? 32 : 16;  // keys per warp tile
   static constexpr int kStages = 2;                           // tiles in flight per warp
   static constexpr int kChunks = kHeadDim / 8;
+  // Three 68 KB blocks per SM for D <= 128 (12 warps streaming; registers capped at 170).
+  static constexpr int kMinBlocksPerSm = kHeadDim <= 128 ? 3 : 1;
   static constexpr int kTileElems = kBlockN * kHeadDim;
   // sQ [kRows, kHeadDim] then, per warp and stage, sK and sV [kBlockN, kHeadDim] (16-bit).
   // After the loop the stage area holds the warps' states: o [kWarps, kRows, kHeadDim] fp32,
@@ -44,7 +46,7 @@ struct SplitTraits {
 };
 
 template <typename Elem, int kHeadDim, bool kSoftcap>
-__global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, 1)
+__global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<kHeadDim>::kMinBlocksPerSm)
     fwd_split_kernel(const __grid_constant__ AttentionParams p) {
   using Tr = SplitTraits<kHeadDim>;
   constexpr int kNT = Tr::kBlockN / 8, kDT = kHeadDim / 8, kKS = kHeadDim / 16;
@@ -71,11 +73,6 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, 1)
     cp_async_16(sQ + swizzle<kHeadDim>(row, chunk), q + off, valid);
   }
   cp_async_commit();
-  cp_async_wait_all();
-  __syncthreads();
-  uint32_t qa[kKS][4];  // Q as MMA A fragments, kept in registers for the whole loop
-#pragma unroll
-  for (int ks = 0; ks < kKS; ++ks) ldmatrix_x4(qa[ks], sQ + swizzle<kHeadDim>(lane & 15, ks * 2 + (lane >> 4)));
 
   int limit[2];  // allowed keys of this thread's rows lane/4 and lane/4 + 8
 #pragma unroll
@@ -118,6 +115,12 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, 1)
     if (s < my_tiles) load(s);
     cp_async_commit();  // empty groups keep the wait counts uniform
   }
+  // The first K/V tiles are in flight before the block waits for Q (the oldest group).
+  cp_async_wait<Tr::kStages>();
+  __syncthreads();
+  uint32_t qa[kKS][4];  // Q as MMA A fragments, kept in registers for the whole loop
+#pragma unroll
+  for (int ks = 0; ks < kKS; ++ks) ldmatrix_x4(qa[ks], sQ + swizzle<kHeadDim>(lane & 15, ks * 2 + (lane >> 4)));
 
   const ScoreScale scale(p.scale, p.softcap);
   float o[kDT][4];
@@ -199,7 +202,8 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, 1)
   const int64_t part = ((b * p.kv_num_heads + g) * max_splits(p) + split) * rows_pad + blk.row_begin;
   float* o_part = p.workspace + part * p.head_dim_v;
   float* lse_part = p.workspace + p.batch * p.kv_num_heads * max_splits(p) * rows_pad * p.head_dim_v + part;
-  for (int idx = threadIdx.x; idx < Tr::kRows * p.head_dim_v; idx += Tr::kThreads) {
+  const int rows_here = int(blk.row_end - blk.row_begin);  // padding rows are never read
+  for (int idx = threadIdx.x; idx < rows_here * p.head_dim_v; idx += Tr::kThreads) {
     const int row = idx / int(p.head_dim_v), col = idx % int(p.head_dim_v);
     float mx = -INFINITY;
 #pragma unroll

@@ -1,6 +1,7 @@
 // Online softmax on the MMA accumulator fragments of one 16-row tile, shared by the
 // tensor-core kernels. Scores live in base 2: z = s * scale * log2(e), or with softcap
-// z = softcap * log2(e) * tanh(s * scale / softcap), so exp becomes one ex2.approx.
+// z = softcap * log2(e) * tanh(s * scale / softcap), so exp becomes one ex2.approx; the
+// running max m is kept in those base-2 units.
 #pragma once
 
 #include <cmath>
@@ -31,14 +32,22 @@ __device__ __forceinline__ void online_softmax(float (&s)[kNT][4], float (&m)[2]
                                                float (&o)[kDT][4], const ScoreScale& scale,
                                                bool masked, MaskedOut masked_out) {
   const int lane = threadIdx.x % 32;
+  // With a positive scale and no softcap the scores stay raw and the scale rides in the exp's
+  // FFMA, exp2(s * z_scale - m); the max is taken on raw scores, since scaling by z_scale > 0
+  // is monotonic (also after rounding): max(s) * z_scale is exactly max(s * z_scale).
+  // Otherwise (softcap, or a scale <= 0) the scores are transformed to base 2 first.
+  float factor = scale.z_scale;
+  if (kSoftcap || !(scale.z_scale > 0.0f)) {
+    factor = 1.0f;
 #pragma unroll
-  for (int nt = 0; nt < kNT; ++nt)
+    for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float z = s[nt][e] * scale.z_scale;
-      if constexpr (kSoftcap) z = scale.z_cap * tanhf(z);
-      s[nt][e] = z;
-    }
+      for (int e = 0; e < 4; ++e) {
+        float z = s[nt][e] * scale.z_scale;
+        if constexpr (kSoftcap) z = scale.z_cap * tanhf(z);
+        s[nt][e] = z;
+      }
+  }
   if (masked) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
@@ -48,11 +57,12 @@ __device__ __forceinline__ void online_softmax(float (&s)[kNT][4], float (&m)[2]
   }
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
-    float mx = m[rr];
+    float mx = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * rr], s[nt][2 * rr + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    mx = fmaxf(m[rr], mx * factor);                   // base 2
     const float m_use = mx == -INFINITY ? 0.0f : mx;  // a row with nothing allowed yet
     const float alpha = exp2_approx(m[rr] - m_use);    // 0 while m[rr] is still -inf
     m[rr] = mx;
@@ -61,7 +71,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kNT][4], float (&m)[2]
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
       for (int e = 2 * rr; e < 2 * rr + 2; ++e) {
-        s[nt][e] = exp2_approx(s[nt][e] - m_use);
+        s[nt][e] = exp2_approx(fmaf(s[nt][e], factor, -m_use));
         sum += s[nt][e];
       }
     l[rr] = l[rr] * alpha + sum;
