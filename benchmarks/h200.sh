@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp  # the source folder would shadow the installed package
 for stage in $STAGES; do
   case $stage in
-    tests) timeout ${TESTS_S:-270} python3 -m pytest "$R/tests/test_gpu_forward.py" "$R/tests/test_gpu_decode.py" -q -p no:cacheprovider \
+    tests) timeout ${TESTS_S:-270} python3 -m pytest "$R/tests/test_gpu_forward.py" "$R/tests/test_gpu_decode.py" -q -rP -p no:cacheprovider \
              --durations=5 -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
     bench) timeout ${BENCH_S:-220} python3 "$R/benchmarks/bench.py" --out "$OUT" ${BENCH_ARGS:-} \
              ${SHAPES:+--shapes "$SHAPES"} 2>&1 | tail -14 ;;

@@ -391,5 +391,6 @@ def test_compute_sanitizer_memcheck_is_clean(tmp_path):
          sys.executable, str(script)],
         env=env, capture_output=True, text=True, timeout=400)
     log = proc.stdout + proc.stderr
+    print(log[-1500:])  # shown with pytest -rP: the sanitizer's own summary
     assert proc.returncode == 0 and "memcheck case done" in log, log[-6000:]
     assert "ERROR SUMMARY: 0 errors" in log, log[-6000:]
