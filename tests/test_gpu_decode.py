@@ -79,3 +79,18 @@ def test_decode_deterministic_and_batch_invariant():
     pad = lambda x: jnp.concatenate([x, jnp.full((x.shape[0], 900) + x.shape[2:], jnp.nan, x.dtype)], 1)
     wider = f(q[3:5], pad(k[3:5]), pad(v[3:5]), n[3:5])
     assert bits(wider[1]) == bits(out[4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq", [1, 3])
+def test_decode_long_cache(Sq):
+    """Over a hundred splits per row (the combine spreads them over its threads and warps)."""
+    lengths = [140_000, 70_001, 5]
+    q, k, v, n = make_inputs(len(lengths), Sq, 140_000, 4, 1, 64, 64, jnp.bfloat16, lengths,
+                             seed=40 + Sq)
+    check_against_oracle(q, k, v, n, is_causal=True)
+    f = jax.jit(lambda q, k, v, n: jax_varlen.attention(q, k, v, n, is_causal=True,
+                                                        return_lse=True))
+    both = f(q, k, v, n)
+    alone = f(q[1:2], k[1:2], v[1:2], n[1:2])
+    assert bits(alone[0][0]) == bits(both[0][1]) and bits(alone[1][0]) == bits(both[1][1])

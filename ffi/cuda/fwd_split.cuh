@@ -8,7 +8,7 @@
 // block each warp streams its own tiles (warp w takes tiles w, w + 4, ...) through a private
 // cp.async pipeline, with Q held in registers; the four warps' softmax states are merged in
 // shared memory, and the block writes a normalized fp32 partial output and a base-2 lse.
-// fwd_combine_kernel then merges the splits of each row in split order: deterministic, and
+// fwd_combine_kernel then merges the splits of each row in a fixed order: deterministic, and
 // since split_keys is a constant, independent of the batch.
 #pragma once
 
@@ -222,35 +222,79 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<k
   }
 }
 
-// One warp per packed row: merges the row's splits in split order and writes out and lse.
-template <typename Elem>
-__global__ void __launch_bounds__(128) fwd_combine_kernel(const __grid_constant__ AttentionParams p) {
-  const int64_t g = blockIdx.y, b = blockIdx.z;
+// Sum (or max) of one value per thread over the block, in a fixed order: a butterfly inside
+// each warp, then the warps' results in warp order. `red` is kCombineWarps floats of smem.
+constexpr int kCombineWarps = 4;
+template <bool kMax>
+__device__ __forceinline__ float combine_reduce(float x, float* red) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) {
+    const float y = __shfl_xor_sync(0xffffffff, x, mask);
+    x = kMax ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();  // red is free (an earlier reduction's readers are done)
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = red[0];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) x = kMax ? fmaxf(x, red[w]) : x + red[w];
+  return x;
+}
+
+// One block per packed row: merges the row's splits (normalized partial o, base-2 lse) into
+// out and lse. Splits are spread over the threads (a long cache has hundreds), but every sum
+// has a fixed shape that depends only on the row's own split count: deterministic and
+// batch-invariant. Warp w accumulates splits w, w + 4, ...; the warps are added in order.
+template <typename Elem, int kHeadDim>
+__global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const __grid_constant__ AttentionParams p) {
+  __shared__ float red[kCombineWarps];
+  __shared__ float part[kCombineWarps][kHeadDim];  // per-warp sums over its splits (Dv <= kHeadDim)
+  const int64_t r = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
   const int64_t group = p.num_heads / p.kv_num_heads;
-  const int64_t r = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (r >= p.seqlen_q * group) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const BlockInfo blk(p, b, r / 16, 16);  // the split kernel's row block of r
-  const int64_t splits = (blk.max_limit + p.split_keys - 1) / p.split_keys;
+  const int splits = int((blk.max_limit + p.split_keys - 1) / p.split_keys);
   const int64_t rows_pad = rows_padded(p);
   const int64_t first = (b * p.kv_num_heads + g) * max_splits(p) * rows_pad + r;  // split 0
-  const float* o_part = p.workspace;
-  const float* lse_part = p.workspace + p.batch * p.kv_num_heads * max_splits(p) * rows_pad * p.head_dim_v;
+  const float* o_part = p.workspace + first * p.head_dim_v;  // split s at + s * rows_pad * Dv
+  const float* lse_part = p.workspace + p.batch * p.kv_num_heads * max_splits(p) * rows_pad * p.head_dim_v + first;
 
   float mx = -INFINITY;
-  for (int64_t s = 0; s < splits; ++s) mx = fmaxf(mx, lse_part[first + s * rows_pad]);
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = fmaxf(mx, lse_part[s * rows_pad]);
+  mx = combine_reduce<true>(mx, red);
   float sum = 0.0f;
-  for (int64_t s = 0; s < splits && mx != -INFINITY; ++s) sum += exp2_approx(lse_part[first + s * rows_pad] - mx);
+  if (mx != -INFINITY)
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) sum += exp2_approx(lse_part[s * rows_pad] - mx);
+  sum = combine_reduce<false>(sum, red);
+
+  constexpr int kCols = kHeadDim / 32;  // columns lane, lane + 32, ... of this lane
+  float acc[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
+  if (mx != -INFINITY) {
+#pragma unroll 4
+    for (int s = warp; s < splits; s += kCombineWarps) {
+      const float wgt = exp2_approx(lse_part[s * rows_pad] - mx);
+      const float* o_s = o_part + int64_t(s) * rows_pad * p.head_dim_v;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c)
+        if (lane + 32 * c < p.head_dim_v) acc[c] += wgt * o_s[lane + 32 * c];
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) part[warp][lane + 32 * c] = acc[c];
+  __syncthreads();
+
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   const int64_t i = r / group, h = g * group + r % group;
   Elem* out = static_cast<Elem*>(p.out) + ((b * p.seqlen_q + i) * p.num_heads + h) * p.head_dim_v;
-  for (int64_t col = lane; col < p.head_dim_v; col += 32) {
-    float acc = 0.0f;
-    for (int64_t s = 0; s < splits && mx != -INFINITY; ++s)
-      acc += exp2_approx(lse_part[first + s * rows_pad] - mx) * o_part[(first + s * rows_pad) * p.head_dim_v + col];
-    out[col] = Elem(acc * inv);
+  for (int col = threadIdx.x; col < p.head_dim_v; col += blockDim.x) {
+    float total = part[0][col];
+#pragma unroll
+    for (int w = 1; w < kCombineWarps; ++w) total += part[w][col];
+    out[col] = Elem(total * inv);
   }
-  if (lane == 0)
+  if (threadIdx.x == 0)
     p.lse[(b * p.num_heads + h) * p.seqlen_q + i] = sum > 0.0f ? (mx + log2f(sum)) * 0.6931471805599453f : -INFINITY;
 }
 
@@ -265,8 +309,8 @@ cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (grid.x > 0) kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);  // Skv = 0: merge only
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  const dim3 combine_grid(unsigned((p.seqlen_q * group + 3) / 4), unsigned(p.kv_num_heads), unsigned(p.batch));
-  fwd_combine_kernel<Elem><<<combine_grid, 128, 0, stream>>>(p);
+  const dim3 combine_grid(unsigned(p.seqlen_q * group), unsigned(p.kv_num_heads), unsigned(p.batch));
+  fwd_combine_kernel<Elem, kHeadDim><<<combine_grid, 32 * kCombineWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
