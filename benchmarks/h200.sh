@@ -26,7 +26,7 @@ for stage in $STAGES; do
              ${SHAPES:+--shapes "$SHAPES"} 2>&1 | tail -14 ;;
     decode) timeout 90 python3 "$R/benchmarks/bench.py" --out "$OUT" --tag decode ${BENCH_ARGS:-} \
              --shapes decode-full,decode-skewed --decode 2>&1 | tail -6 ;;
-    ncu) timeout 200 ncu --clock-control none --target-processes all -k "regex:fwd_(tc|split)_kernel" \
+    ncu) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none --target-processes all -k "regex:fwd_(tc|split)_kernel" \
            --launch-count 4 --section SpeedOfLight --section Occupancy \
            --section WarpStateStats --section SchedulerStats --section LaunchStats \
            --section MemoryWorkloadAnalysis python3 "$R/benchmarks/ncu_case.py" ${NCU_SHAPES:-d128-full decode-full} \
