@@ -1,10 +1,12 @@
-"""One call of each CUDA forward kernel on a benchmark shape, for Nsight Compute.
+"""One call of each CUDA forward kernel on a benchmark shape, for Nsight Compute:
 
-    ncu --clock-control none --target-processes all -k regex:fwd_ python3 ncu_case.py [names]
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --target-processes all \
+        -k "regex:fwd_(tc|split)_kernel" --launch-count 4 python3 ncu_case.py [names]
 
-Each named shape of shapes.json (default: d128-full, decode-full) is compiled, run once to
-warm up, then run once more inside the profiled range (cudaProfilerStart/Stop through
-jax.profiler is not needed: filter by kernel name and launch count instead).
+Each named shape of shapes.json (default: d128-full, decode-full) runs twice (the first call
+compiles), so `--launch-count 2` per shape profiles a warm launch too. Without
+XLA_PYTHON_CLIENT_PREALLOCATE=false, ncu saves and restores JAX's whole memory pool around
+every replay pass.
 """
 
 import sys
@@ -15,14 +17,16 @@ import bench
 
 
 def main(names):
+    jax_varlen, error = bench.import_jax_varlen()
+    if jax_varlen is None:
+        sys.exit(error)
     shapes = bench.load_shapes()
     for name in names:
         shape = shapes[name]
         q, k, v, n = bench.make_inputs(shape, jax.numpy.bfloat16, 0, 0)
-        f = jax.jit(lambda q, k, v, n: bench.import_jax_varlen()[0].attention(
-            q, k, v, n, is_causal=shape["causal"]))
-        jax.block_until_ready(f(q, k, v, n))
-        jax.block_until_ready(f(q, k, v, n))
+        f = jax.jit(lambda q, k, v, n: jax_varlen.attention(q, k, v, n, is_causal=shape["causal"]))
+        for _ in range(2):
+            jax.block_until_ready(f(q, k, v, n))
         print(f"ran {name}", flush=True)
 
 

@@ -98,6 +98,21 @@ def bits(x) -> bytes:
     return x.dtype.str.encode() + str(x.shape).encode() + x.tobytes()
 
 
+def assert_padding_never_leaks(B, Sq, Skv, H, Hkv, D, Dv, dtype, lengths, **kw):
+    """Padding bits (NaN, +-inf, the dtype's max, zero) never change a single output bit:
+    the op on the same inputs with each padding value gives identical, finite results."""
+    import jax_varlen
+
+    results = []
+    for pad in (np.nan, np.inf, -np.inf, float(jnp.finfo(dtype).max), 0.0):
+        q, k, v, n = make_inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, lengths, seed=7,
+                                 pad_value=pad)
+        out, lse = jax_varlen.attention(q, k, v, n, return_lse=True, **kw)
+        assert np.isfinite(np.asarray(out, np.float32)).all()
+        results.append((bits(out), bits(lse)))
+    assert all(r == results[0] for r in results)
+
+
 # --------------------------------------------------------------------------------------------
 # Oracle and tolerances.
 
