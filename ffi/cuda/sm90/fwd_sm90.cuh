@@ -1,0 +1,599 @@
+// Hopper forward (sm_90a): TMA loads into swizzled shared memory, QK^T and PV on wgmma with
+// fp32 accumulators, warp specialization, and a persistent grid that walks the ragged batch
+// heaviest-first.
+//
+// One CTA = 3 warpgroups (384 threads):
+//   warpgroup 0, warp 0: the producer. It issues the TMA copies of Q, K and V (kStages-deep
+//     K and V rings on mbarriers). Tiles past a unit's last allowed key are never loaded; the
+//     last tile, when partial, lands whole, and the consumers zero its V rows past the last
+//     key before using it (padding may hold NaN, and 0 * NaN would poison P V), while its K
+//     rows only feed scores that the mask replaces by -inf.
+//   warpgroups 1 and 2: the consumers, 64 query rows each of a kBlockM = 128 row tile. Each
+//     runs S = Q K^T (SS wgmma), the online softmax in registers, and O += P V (RS wgmma, P from
+//     registers). Inside a warpgroup, the softmax of tile t overlaps the PV product of tile
+//     t + 1 (key tiles are walked from the last one down); between the two warpgroups a pair of
+//     named barriers orders the GEMM issue (ping-pong), so one warpgroup's softmax runs under
+//     the other's GEMMs.
+// setmaxnreg moves registers from the producer warpgroup to the consumers.
+//
+// Work unit = (sequence b, query head h, block of kBlockM query rows). Units are ordered
+// heaviest-first -- sequences by their number of valid keys, descending, ties by index; within
+// a sequence the later row blocks first (they see the most keys under a causal mask) -- and
+// CTA c takes units c, 2G - 1 - c, 2G + c, ... (G = grid size, a snake over the sorted list).
+// The order depends only on the lengths; each unit is computed whole by one CTA, in the same
+// way wherever it runs, so results are bitwise deterministic and batch invariant.
+#pragma once
+
+// The 64xNx16 wgmma shapes with N not a multiple of 32 (N = 80 key tiles at head dim 256).
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "params.h"
+
+namespace jax_varlen::cuda::sm90 {
+
+using namespace cute;
+
+template <typename Elem> struct CutlassElem;
+template <> struct CutlassElem<__half> { using type = cutlass::half_t; };
+template <> struct CutlassElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+
+template <typename Element_, int kHeadDim_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;                  // bucket of max(D, Dv): 64, 128, 256
+  static constexpr int kBlockM = 128;                          // query rows per unit, 64 per consumer
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 80;   // keys per tile (smem: 160 / 224 KB at 128 / 256)
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 64K
+  // Batches up to this size are sorted heaviest-first; larger ones keep their own order.
+  static constexpr int kMaxSortedBatch = 512;
+
+  using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S [M, N] = Q [M, D] K^T
+  using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O [M, Dv] += P [M, N] V
+  using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;  // warpgroups split M
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileQK>(), AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  // Q [kBlockM, kHeadDim] and K [kBlockN, kHeadDim] x stages, head dim contiguous (K-major);
+  // V^T [kHeadDim, kBlockN] x stages, head dim contiguous (MN-major): V lands as it is in HBM.
+  using SmemLayoutQ = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>(),
+      Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
+      Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kHeadDim>, Int<kBlockN>>(),
+      Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+
+  // Global tensors as TMA sees them: (rows, head dim, heads, batch), head dim contiguous; V as
+  // (head dim, rows, heads, batch) to match V^T.
+  using Shape4 = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideRows = Stride<int64_t, _1, int64_t, int64_t>;
+  using StrideCols = Stride<_1, int64_t, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape4{}, StrideRows{}),
+      SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape4{}, StrideRows{}),
+      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape4{}, StrideCols{}),
+      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // one K or V tile
+};
+
+// Shared memory. Every tile buffer is a multiple of 1 KB and 1 KB aligned (the 128-byte
+// swizzle repeats every 1 KB, and TMA and wgmma agree on it only from an aligned base).
+template <typename Tr>
+struct alignas(1024) SharedStorage {
+  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
+  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
+  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutVt>, 1024> v;
+  uint64_t full_k[Tr::kStages], full_v[Tr::kStages];    // producer -> consumers: tile landed
+  uint64_t empty_k[Tr::kStages], empty_v[Tr::kStages];  // consumers -> producer: stage free
+  uint64_t full_q, empty_q;
+  int32_t order[Tr::kMaxSortedBatch];  // sequences, heaviest first (lengths while sorting)
+};
+
+template <typename Tr>
+struct KernelParams {
+  typename Tr::TmaQ tma_q;
+  typename Tr::TmaK tma_k;
+  typename Tr::TmaV tma_v;
+  AttentionParams p;
+  int num_m_blocks;  // ceil(seqlen_q / kBlockM)
+  int num_units;     // batch * num_heads * num_m_blocks
+};
+
+// One unit of work (see the top of the file) and the keys it needs.
+struct Unit {
+  int b, h, m_block;
+  int n;          // valid keys of sequence b, clamped into [0, seqlen_k]
+  int min_limit;  // allowed keys of the unit's first row; tiles below it need no mask
+  int key_end;    // allowed keys of its last row: key tiles at or past it are never loaded
+  int n_tiles;    // ceil(key_end / kBlockN)
+};
+
+template <typename Tr>
+__device__ __forceinline__ Unit decode_unit(const KernelParams<Tr>& kp, const int32_t* order, int u) {
+  const AttentionParams& p = kp.p;
+  const int per_seq = int(p.num_heads) * kp.num_m_blocks;
+  const int rank = u / per_seq, rem = u % per_seq;
+  Unit w;
+  w.b = p.batch <= Tr::kMaxSortedBatch ? order[rank] : rank;
+  w.m_block = kp.num_m_blocks - 1 - rem / int(p.num_heads);
+  w.h = rem % int(p.num_heads);
+  w.n = int(clamp_seqlen(p.nonpad_kv_seqlen[w.b], p.seqlen_k));
+  const int64_t row0 = int64_t(w.m_block) * Tr::kBlockM;
+  const int64_t row1 = row0 + Tr::kBlockM < p.seqlen_q ? row0 + Tr::kBlockM - 1 : p.seqlen_q - 1;
+  w.min_limit = int(allowed_keys(row0, w.n, p.seqlen_q, p.is_causal));
+  w.key_end = int(allowed_keys(row1, w.n, p.seqlen_q, p.is_causal));
+  w.n_tiles = (w.key_end + Tr::kBlockN - 1) / Tr::kBlockN;
+  return w;
+}
+
+// The r-th unit of this CTA, or -1 past the end: a snake over the heaviest-first list.
+__device__ __forceinline__ int unit_of_round(int r, int num_units) {
+  const int g = int(gridDim.x), c = int(blockIdx.x);
+  const int u = r * g + ((r & 1) ? g - 1 - c : c);
+  return u < num_units ? u : -1;
+}
+
+// order[rank] = b, sequences sorted by clamped length, descending, ties by index. All threads.
+template <typename Tr>
+__device__ void sort_sequences(const AttentionParams& p, int32_t* order) {
+  const int batch = int(p.batch);
+  if (batch > Tr::kMaxSortedBatch) return;
+  constexpr int kPer = (Tr::kMaxSortedBatch + Tr::kThreads - 1) / Tr::kThreads;
+  for (int b = threadIdx.x; b < batch; b += Tr::kThreads) order[b] = int(clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k));
+  __syncthreads();
+  int rank[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int b = threadIdx.x + i * Tr::kThreads;
+    rank[i] = 0;
+    if (b < batch) {
+      const int nb = order[b];
+      for (int j = 0; j < batch; ++j) {
+        const int nj = order[j];
+        rank[i] += (nj > nb) || (nj == nb && j < b);
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int b = threadIdx.x + i * Tr::kThreads;
+    if (b < batch) order[rank[i]] = b;
+  }
+}
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Named barriers: the consumer ping-pong (warpgroup i waits on kSchedBarrier + i), and each
+// consumer warpgroup's own barrier after it zeroed a V tail.
+constexpr int kSchedBarrier = 1;
+constexpr int kZeroBarrier = 3;
+
+// acc ((2, 2, N/8), 1, 1) fp32 of an m64nNk16 wgmma -> A operand ((2, 2, 2), 1, N/16) of the next
+// one: the same registers in the same order (the element of row half h, column pair c, 8-column
+// group j sits at index c + 2h + 4j in both), only regrouped by 16 columns.
+template <typename Layout0>
+__device__ __forceinline__ auto acc_to_a_layout(Layout0 acc) {
+  auto l = logical_divide(get<0, 2>(acc), Tile<_2>{});
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(l)), get<1>(acc),
+                     coalesce(make_layout(get<0, 1>(l), get<2>(acc))));
+}
+
+// Issues C (+)= A B on the warpgroup (no wait): every K step of the tiled MMA, then commit.
+template <bool kZeroInit, typename Mma, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void wgmma_issue(Mma& mma, TA const& a, TB const& b, TC& c) {
+  constexpr bool kRegsA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
+  if constexpr (kRegsA) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegsA) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// Online softmax of one consumer thread's rows. Scores live in base 2 (z = s * scale * log2 e,
+// or softcap * log2 e * tanh(s * scale / softcap)), so exp is one ex2.approx; m is the running
+// max in those units. The thread holds rows rr = 0, 1 (row, row + 8) of its warp; element
+// 4j + 2rr + c of a fragment is (row rr, column 8j + 2 * (lane % 4) + c).
+template <bool kSoftcap, int kNT>
+struct RowSoftmax {
+  float m[2], l[2];  // running max (base 2) and this thread's partial row sums
+  float z_scale, z_cap;
+
+  __device__ RowSoftmax(float scale, float softcap)
+      : z_scale(softcap > 0.0f ? scale / softcap : scale * 1.4426950408889634f),
+        z_cap(softcap * 1.4426950408889634f) {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+  }
+
+  // s [kNT * 4] raw scores -> unnormalized probabilities exp2(z - m). Elements i with
+  // masked_out(i) get probability 0 when `masked` (uniform; only limit tiles). Returns in
+  // alpha the factor the output rows must be multiplied by (0 while nothing was allowed yet).
+  template <typename MaskedOut>
+  __device__ __forceinline__ void step(float* s, bool masked, MaskedOut masked_out, float (&alpha)[2]) {
+    // With a positive scale and no softcap, the max is taken on raw scores and the scale rides in
+    // the exp's FFMA (scaling by z_scale > 0 is monotonic, also after rounding).
+    float factor = z_scale;
+    if (kSoftcap || !(z_scale > 0.0f)) {
+      factor = 1.0f;
+#pragma unroll
+      for (int i = 0; i < kNT * 4; ++i) {
+        float z = s[i] * z_scale;
+        if constexpr (kSoftcap) z = z_cap * tanhf(z);
+        s[i] = z;
+      }
+    }
+    if (masked) {
+#pragma unroll
+      for (int i = 0; i < kNT * 4; ++i)
+        if (masked_out(i)) s[i] = -INFINITY;
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      mx = fmaxf(m[rr], mx * factor);
+      const float m_use = mx == -INFINITY ? 0.0f : mx;
+      alpha[rr] = ex2_approx(m[rr] - m_use);
+      m[rr] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * j + 2 * rr + c];
+          x = ex2_approx(fmaf(x, factor, -m_use));
+          sum += x;
+        }
+      l[rr] = l[rr] * alpha[rr] + sum;
+    }
+  }
+};
+
+template <int kN>
+__device__ __forceinline__ void rescale_rows(float* o, const float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) o[i] *= alpha[(i / 2) & 1];
+}
+
+template <typename Tr, bool kSoftcap>
+__global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_constant__ KernelParams<Tr> kp) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<SharedStorage<Tr>*>(smem_raw);
+  const AttentionParams& p = kp.p;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&ss.full_k[s], 1);
+      Barrier::init(&ss.full_v[s], 1);
+      Barrier::init(&ss.empty_k[s], Tr::kConsumerWarps);
+      Barrier::init(&ss.empty_v[s], Tr::kConsumerWarps);
+    }
+    Barrier::init(&ss.full_q, 1);
+    Barrier::init(&ss.empty_q, Tr::kConsumerWarps);
+    cutlass::arch::fence_barrier_init();
+  }
+  sort_sequences<Tr>(p, ss.order);
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutVt{});
+  const int group = int(p.num_heads / p.kv_num_heads);
+
+  if (threadIdx.x < 128) {  // ---------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    const bool leader = lane == 0;
+    const int seqlen_k_tma = p.seqlen_k > 0 ? int(p.seqlen_k) : 1;
+    Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(int(p.seqlen_q), int(p.head_dim), int(p.num_heads), int(p.batch)));
+    Tensor mK = kp.tma_k.get_tma_tensor(make_shape(seqlen_k_tma, int(p.head_dim), int(p.kv_num_heads), int(p.batch)));
+    Tensor mVt = kp.tma_v.get_tma_tensor(make_shape(int(p.head_dim_v), seqlen_k_tma, int(p.kv_num_heads), int(p.batch)));
+    auto tma_q = kp.tma_q.get_slice(0);
+    auto tma_k = kp.tma_k.get_slice(0);
+    auto tma_v = kp.tma_v.get_slice(0);
+    Tensor tQsQ = tma_q.partition_D(sQ);
+    Tensor tKsK = tma_k.partition_D(sK);    // (TMA, 1, 1, stages)
+    Tensor tVsV = tma_v.partition_D(sVt);   // (TMA, 1, 1, stages)
+
+    // Tile t of unit w (keys [t * kBlockN, +kBlockN)) into stage s of K (kIsV false) or V.
+    auto load_tile = [&](const Unit& w, int t, int s, auto is_v) {
+      if (!leader) return;
+      const int g = w.h / group;
+      if constexpr (decltype(is_v)::value) {
+        TxBarrier::arrive_and_expect_tx(&ss.full_v[s], Tr::kBytesKV);
+        Tensor gV = local_tile(mVt(_, _, g, w.b), Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, t));
+        copy(kp.tma_v.with(ss.full_v[s]), tma_v.partition_S(gV), tVsV(_, _, _, s));
+      } else {
+        TxBarrier::arrive_and_expect_tx(&ss.full_k[s], Tr::kBytesKV);
+        Tensor gK = local_tile(mK(_, _, g, w.b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t, 0));
+        copy(kp.tma_k.with(ss.full_k[s]), tma_k.partition_S(gK), tKsK(_, _, _, s));
+      }
+    };
+
+    int stage = 0, phase = 0, q_iter = 0;
+    auto advance = [&] { if (++stage == kStages) { stage = 0; phase ^= 1; } };
+    for (int r = 0;; ++r) {
+      const int u = unit_of_round(r, kp.num_units);
+      if (u < 0) break;
+      const Unit w = decode_unit<Tr>(kp, ss.order, u);
+      if (w.n_tiles == 0) continue;  // no row may see a key: the consumers write zeros
+      // Q, once the consumers are done with the previous unit's.
+      Barrier::wait(&ss.empty_q, (q_iter & 1) ^ 1);
+      if (leader) {
+        TxBarrier::arrive_and_expect_tx(&ss.full_q, Tr::kBytesQ);
+        Tensor gQ = local_tile(mQ(_, _, w.h, w.b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, 0));
+        copy(kp.tma_q.with(ss.full_q), tma_q.partition_S(gQ), tQsQ);
+      }
+      ++q_iter;
+      // K[t] then V[t + 1] (the consumers use V one step behind K), from the last tile down.
+      int t = w.n_tiles - 1;
+      Barrier::wait(&ss.empty_k[stage], phase ^ 1);
+      load_tile(w, t, stage, cute::false_type{});
+      for (; t > 0; --t) {
+        const int stage_v = stage, phase_v = phase;
+        advance();
+        Barrier::wait(&ss.empty_k[stage], phase ^ 1);
+        load_tile(w, t - 1, stage, cute::false_type{});
+        Barrier::wait(&ss.empty_v[stage_v], phase_v ^ 1);
+        load_tile(w, t, stage_v, cute::true_type{});
+      }
+      Barrier::wait(&ss.empty_v[stage], phase ^ 1);
+      load_tile(w, 0, stage, cute::true_type{});
+      advance();
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------- consumers
+  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  const int ct = threadIdx.x - 128;  // 0..255
+  const int cwg = ct / 128;          // consumer warpgroup: rows [64 * cwg, +64) of the unit
+  const int lane = threadIdx.x % 32;
+  const bool warp_leader = lane == 0;
+  typename Tr::TiledMmaQK mma_qk;
+  typename Tr::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(ct);
+  auto thr_pv = mma_pv.get_thread_slice(ct);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+  // (row, column) of this thread's accumulator elements, the same for S and O row-wise.
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
+  Element* out = static_cast<Element*>(p.out);
+  const int64_t o_row = p.num_heads * p.head_dim_v;
+  const float kLn2 = 0.6931471805599453f;
+
+  if (cwg == 0) named_arrive(kSchedBarrier + 0, Tr::kConsumerThreads);  // warpgroup 0 issues first
+  auto sched_wait = [&] { named_sync(kSchedBarrier + cwg, Tr::kConsumerThreads); };
+  auto sched_pass = [&] { named_arrive(kSchedBarrier + (1 - cwg), Tr::kConsumerThreads); };
+  auto release = [&](uint64_t* bar) { __syncwarp(); if (warp_leader) Barrier::arrive(bar); };
+  // Zero V rows [rows, kBlockN) of stage s. Both warpgroups write the same zeros (so neither
+  // waits for the other), then each fences its writes for wgmma and syncs its own 128 threads.
+  auto zero_v_tail = [&](int s, int rows) {
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of one V row
+    for (int idx = ct % 128; idx < (kBlockN - rows) * kChunks; idx += 128)
+      *reinterpret_cast<uint4*>(&sVt((idx % kChunks) * 8, rows + idx / kChunks, s)) = make_uint4(0, 0, 0, 0);
+    cutlass::arch::fence_view_async_shared();
+    named_sync(kZeroBarrier + cwg, 128);
+  };
+
+  int stage = 0, phase = 0, q_iter = 0;
+  auto advance = [&] { if (++stage == kStages) { stage = 0; phase ^= 1; } };
+  for (int r = 0;; ++r) {
+    const int u = unit_of_round(r, kp.num_units);
+    if (u < 0) break;
+    const Unit w = decode_unit<Tr>(kp, ss.order, u);
+    const int64_t row_base = int64_t(w.m_block) * kBlockM;
+    // This thread's two rows (local rows get<0>(cS(0)) and + 8) and their allowed keys.
+    int limit[2];
+    int64_t row_of[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      row_of[rr] = row_base + get<0>(cS(2 * rr));
+      limit[rr] = row_of[rr] < p.seqlen_q ? int(allowed_keys(row_of[rr], w.n, p.seqlen_q, p.is_causal)) : 0;
+    }
+    auto out_row = [&](int rr) { return out + (int64_t(w.b) * p.seqlen_q + row_of[rr]) * o_row + int64_t(w.h) * p.head_dim_v; };
+    auto lse_at = [&](int rr) -> float& { return p.lse[(int64_t(w.b) * p.num_heads + w.h) * p.seqlen_q + row_of[rr]]; };
+
+    if (w.n_tiles == 0) {  // no row of the unit sees a key: zero rows, lse = -inf
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        if (row_of[rr] >= p.seqlen_q) continue;
+        Element* o = out_row(rr);
+#pragma unroll
+        for (int j = 0; j < kDT; ++j) {
+          const int col = get<1>(cO(4 * j + 2 * rr));
+          if (col < p.head_dim_v) *reinterpret_cast<uint32_t*>(o + col) = 0u;
+        }
+        if ((lane & 3) == 0) lse_at(rr) = -INFINITY;
+      }
+      continue;
+    }
+
+    RowSoftmax<kSoftcap, kNT> softmax(p.scale, p.softcap);
+    auto masked_out_at = [&](int n0) {  // element i of S: key n0 + its column, row half (i / 2) % 2
+      return [&, n0](int i) { return n0 + int(get<1>(cS(i))) >= limit[(i / 2) & 1]; };
+    };
+    Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Tr::TileQK{}));
+    Tensor tOrO = partition_fragment_C(mma_pv, select<0, 1>(typename Tr::TilePV{}));
+    static_assert(decltype(size(tSrS))::value == kNT * 4 && decltype(size(tOrO))::value == kDT * 4);
+    Tensor tOrP = make_tensor_like<Element>(make_tensor(tSrS.data(), acc_to_a_layout(tSrS.layout())));
+    auto convert_p = [&] {  // P = S rounded to Element, element by element in register order
+      cutlass::NumericArrayConverter<Element, float, kNT * 4> convert;
+      *reinterpret_cast<cutlass::Array<Element, kNT * 4>*>(tOrP.data()) =
+          convert(*reinterpret_cast<const cutlass::Array<float, kNT * 4>*>(tSrS.data()));
+    };
+    float alpha[2];
+
+    Barrier::wait(&ss.full_q, q_iter & 1);
+    ++q_iter;
+    // Tile t = n_tiles - 1 (the last one, masked): S, softmax, P. When it is partial, its V
+    // rows past key_end are zeroed before the first P V.
+    int t = w.n_tiles - 1;
+    const int last_rows = w.key_end - t * kBlockN;  // in (0, kBlockN]
+    Barrier::wait(&ss.full_k[stage], phase);
+    wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
+    warpgroup_wait<0>();
+    release(&ss.empty_k[stage]);
+    softmax.step(tSrS.data(), true, masked_out_at(t * kBlockN), alpha);
+    convert_p();
+    clear(tOrO);
+    for (; t > 0; --t) {
+      // S = Q K[t-1]^T and O += P V[t], issued back to back; the softmax of S runs under PV.
+      const int stage_v = stage, phase_v = phase;
+      if (t == w.n_tiles - 1 && last_rows < kBlockN) {
+        Barrier::wait(&ss.full_v[stage_v], phase_v);
+        zero_v_tail(stage_v, last_rows);
+      }
+      advance();
+      Barrier::wait(&ss.full_k[stage], phase);
+      sched_wait();
+      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
+      Barrier::wait(&ss.full_v[stage_v], phase_v);
+      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, stage_v), tOrO);
+      sched_pass();
+      warpgroup_wait<1>();
+      release(&ss.empty_k[stage]);
+      const int n0 = (t - 1) * kBlockN;
+      softmax.step(tSrS.data(), n0 + kBlockN > w.min_limit, masked_out_at(n0), alpha);
+      warpgroup_wait<0>();
+      release(&ss.empty_v[stage_v]);
+      rescale_rows<kDT * 4>(tOrO.data(), alpha);
+      convert_p();
+    }
+    release(&ss.empty_q);  // the last Q K^T of this unit is done: the producer may load the next Q
+    Barrier::wait(&ss.full_v[stage], phase);
+    if (w.n_tiles == 1 && last_rows < kBlockN) zero_v_tail(stage, last_rows);
+    wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, stage), tOrO);
+    warpgroup_wait<0>();
+    release(&ss.empty_v[stage]);
+    advance();
+
+    // Epilogue: O / l rounded once; a row decides "no allowed key" by its limit, never by its
+    // sum, so NaN or Inf in real data propagates (SPEC: non-finite real data).
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float sum = softmax.l[rr];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      if (row_of[rr] >= p.seqlen_q) continue;
+      const bool any = limit[rr] > 0;
+      const float inv = any ? 1.0f / sum : 0.0f;
+      Element* o = out_row(rr);
+#pragma unroll
+      for (int j = 0; j < kDT; ++j) {
+        const int i = 4 * j + 2 * rr;
+        const int col = get<1>(cO(i));
+        if (col < p.head_dim_v) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = Element(tOrO(i) * inv);
+          pair[1] = Element(tOrO(i + 1) * inv);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(o + col) = pair;
+        }
+      }
+      if ((lane & 3) == 0) lse_at(rr) = any ? softmax.m[rr] * kLn2 + logf(sum) : -INFINITY;
+    }
+  }
+}
+
+// Number of SMs of the current device, read once per device.
+inline int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static int count[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) return 1;
+  if (count[dev] == 0) cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev);
+  return count[dev] > 0 ? count[dev] : 1;
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
+  using Element = typename CutlassElem<Elem>::type;
+  using Tr = FwdTraits<Element, kHeadDim>;
+  const int seqlen_k_tma = p.seqlen_k > 0 ? int(p.seqlen_k) : 1;  // never loaded when 0
+  // Dense [B, S, heads, dim] layouts; strides in elements.
+  auto q_stride = make_stride(p.num_heads * p.head_dim, _1{}, p.head_dim, p.seqlen_q * p.num_heads * p.head_dim);
+  auto k_stride = make_stride(p.kv_num_heads * p.head_dim, _1{}, p.head_dim, p.seqlen_k * p.kv_num_heads * p.head_dim);
+  auto v_stride = make_stride(_1{}, p.kv_num_heads * p.head_dim_v, p.head_dim_v, p.seqlen_k * p.kv_num_heads * p.head_dim_v);
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)),
+                          make_shape(int(p.seqlen_q), int(p.head_dim), int(p.num_heads), int(p.batch)), q_stride);
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)),
+                          make_shape(seqlen_k_tma, int(p.head_dim), int(p.kv_num_heads), int(p.batch)), k_stride);
+  Tensor mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)),
+                           make_shape(int(p.head_dim_v), seqlen_k_tma, int(p.kv_num_heads), int(p.batch)), v_stride);
+  KernelParams<Tr> kp{
+      make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Tr::SmemLayoutQ{}, Shape<Int<Tr::kBlockM>, Int<kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Tr::SmemLayoutK{}), Shape<Int<Tr::kBlockN>, Int<kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Tr::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<Tr::kBlockN>>{}, _1{}),
+      p, 0, 0};
+  kp.num_m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
+  const int64_t units = p.batch * p.num_heads * kp.num_m_blocks;
+  if (units > INT32_MAX) return cudaErrorInvalidValue;
+  kp.num_units = int(units);
+  const int grid = kp.num_units < sm_count() ? kp.num_units : sm_count();
+  auto kernel = p.softcap > 0.0f ? fwd_sm90_kernel<Tr, true> : fwd_sm90_kernel<Tr, false>;
+  constexpr size_t kSmem = sizeof(SharedStorage<Tr>);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Tr::kThreads, kSmem, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_varlen::cuda::sm90
