@@ -12,8 +12,8 @@
 //     runs S = Q K^T (SS wgmma), the online softmax in registers, and O += P V (RS wgmma, P from
 //     registers). Inside a warpgroup, the softmax of tile t overlaps the PV product of tile
 //     t + 1 (key tiles are walked from the last one down); between the two warpgroups a pair of
-//     named barriers orders the GEMM issue (ping-pong), so one warpgroup's softmax runs under
-//     the other's GEMMs.
+//     named barriers hands over the turn to issue GEMMs (ping-pong), so one warpgroup's softmax
+//     (and, in short units, its epilogue) runs under the other's GEMMs.
 // setmaxnreg moves registers from the producer warpgroup to the consumers.
 //
 // Work unit = (sequence b, query head h, block of kBlockM query rows). Units are ordered
@@ -49,26 +49,40 @@ template <typename Elem> struct CutlassElem;
 template <> struct CutlassElem<__half> { using type = cutlass::half_t; };
 template <> struct CutlassElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
-template <typename Element_, int kHeadDim_>
+// Keys per tile: the widest that fits shared memory (Q + 2 stages of K and V) and registers.
+template <int kHeadDim>
+constexpr int default_block_n() { return kHeadDim <= 128 ? 128 : 80; }
+
+template <typename Element_, int kHeadDim_, int kBlockN_ = default_block_n<kHeadDim_>()>
 struct FwdTraits {
   using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;                  // bucket of max(D, Dv): 64, 128, 256
-  static constexpr int kBlockM = 128;                          // query rows per unit, 64 per consumer
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 80;   // keys per tile (smem: 160 / 224 KB at 128 / 256)
+  static constexpr int kHeadDim = kHeadDim_;  // bucket of max(D, Dv): 64, 128, 256
+  static constexpr int kBlockM = 128;          // query rows per unit, 64 per consumer warpgroup
+  static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 64K
-  // Batches up to this size are sorted heaviest-first; larger ones keep their own order.
-  static constexpr int kMaxSortedBatch = 512;
+  // 128 * producer + 256 * consumer registers <= 64K; wider key tiles need the last 8.
+  static constexpr int kProducerRegs = kBlockN > 128 ? 24 : 40;
+  static constexpr int kConsumerRegs = kBlockN > 128 ? 240 : 232;
+  // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
+  // memory); larger ones keep their own order and read lengths from global memory.
+  static constexpr int kMaxSortedBatch = 384;
+  // A last tile of at most kBlockN / 2 keys runs on half-width products when that half is a
+  // whole number of 16-key k-blocks.
+  static constexpr bool kHalfTiles = (kBlockN / 2) % 16 == 0;
 
   using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S [M, N] = Q [M, D] K^T
   using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O [M, Dv] += P [M, N] V
   using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;  // warpgroups split M
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, TileQK>(), AtomLayout{}));
+  // S of a last tile of at most kBlockN / 2 keys: half-width products (see the consumer).
+  using TiledMmaQKHalf = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+      AtomLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayout{}));
@@ -114,7 +128,8 @@ struct alignas(1024) SharedStorage {
   uint64_t full_k[Tr::kStages], full_v[Tr::kStages];    // producer -> consumers: tile landed
   uint64_t empty_k[Tr::kStages], empty_v[Tr::kStages];  // consumers -> producer: stage free
   uint64_t full_q, empty_q;
-  int32_t order[Tr::kMaxSortedBatch];  // sequences, heaviest first (lengths while sorting)
+  int32_t sorted_len[Tr::kMaxSortedBatch];  // clamped lengths, heaviest first
+  uint16_t order[Tr::kMaxSortedBatch];      // the sequence of each rank
 };
 
 template <typename Tr>
@@ -137,15 +152,20 @@ struct Unit {
 };
 
 template <typename Tr>
-__device__ __forceinline__ Unit decode_unit(const KernelParams<Tr>& kp, const int32_t* order, int u) {
+__device__ __forceinline__ Unit decode_unit(const KernelParams<Tr>& kp, const SharedStorage<Tr>& ss, int u) {
   const AttentionParams& p = kp.p;
   const int per_seq = int(p.num_heads) * kp.num_m_blocks;
   const int rank = u / per_seq, rem = u % per_seq;
   Unit w;
-  w.b = p.batch <= Tr::kMaxSortedBatch ? order[rank] : rank;
+  if (p.batch <= Tr::kMaxSortedBatch) {
+    w.b = ss.order[rank];
+    w.n = ss.sorted_len[rank];
+  } else {
+    w.b = rank;
+    w.n = int(clamp_seqlen(p.nonpad_kv_seqlen[rank], p.seqlen_k));
+  }
   w.m_block = kp.num_m_blocks - 1 - rem / int(p.num_heads);
   w.h = rem % int(p.num_heads);
-  w.n = int(clamp_seqlen(p.nonpad_kv_seqlen[w.b], p.seqlen_k));
   const int64_t row0 = int64_t(w.m_block) * Tr::kBlockM;
   const int64_t row1 = row0 + Tr::kBlockM < p.seqlen_q ? row0 + Tr::kBlockM - 1 : p.seqlen_q - 1;
   w.min_limit = int(allowed_keys(row0, w.n, p.seqlen_q, p.is_causal));
@@ -161,32 +181,36 @@ __device__ __forceinline__ int unit_of_round(int r, int num_units) {
   return u < num_units ? u : -1;
 }
 
-// order[rank] = b, sequences sorted by clamped length, descending, ties by index. All threads.
+// Sequences sorted by clamped length, descending, ties by index: order[rank] = b and
+// sorted_len[rank] = n_b. All threads; sorted_len holds the lengths by b while ranking.
 template <typename Tr>
-__device__ void sort_sequences(const AttentionParams& p, int32_t* order) {
+__device__ void sort_sequences(const AttentionParams& p, SharedStorage<Tr>& ss) {
   const int batch = int(p.batch);
   if (batch > Tr::kMaxSortedBatch) return;
   constexpr int kPer = (Tr::kMaxSortedBatch + Tr::kThreads - 1) / Tr::kThreads;
-  for (int b = threadIdx.x; b < batch; b += Tr::kThreads) order[b] = int(clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k));
+  for (int b = threadIdx.x; b < batch; b += Tr::kThreads)
+    ss.sorted_len[b] = int(clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k));
   __syncthreads();
-  int rank[kPer];
+  int rank[kPer], len[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int b = threadIdx.x + i * Tr::kThreads;
     rank[i] = 0;
-    if (b < batch) {
-      const int nb = order[b];
+    len[i] = b < batch ? ss.sorted_len[b] : 0;
+    if (b < batch)
       for (int j = 0; j < batch; ++j) {
-        const int nj = order[j];
-        rank[i] += (nj > nb) || (nj == nb && j < b);
+        const int nj = ss.sorted_len[j];
+        rank[i] += (nj > len[i]) || (nj == len[i] && j < b);
       }
-    }
   }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int b = threadIdx.x + i * Tr::kThreads;
-    if (b < batch) order[rank[i]] = b;
+    if (b < batch) {
+      ss.order[rank[i]] = uint16_t(b);
+      ss.sorted_len[rank[i]] = len[i];
+    }
   }
 }
 
@@ -206,6 +230,8 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // consumer warpgroup's own barrier after it zeroed a V tail.
 constexpr int kSchedBarrier = 1;
 constexpr int kZeroBarrier = 3;
+// Units of at most this many key tiles hand over turns for every GEMM (see the consumer).
+constexpr int kShortUnitTiles = 4;
 
 // acc ((2, 2, N/8), 1, 1) fp32 of an m64nNk16 wgmma -> A operand ((2, 2, 2), 1, N/16) of the next
 // one: the same registers in the same order (the element of row half h, column pair c, 8-column
@@ -239,7 +265,7 @@ __device__ __forceinline__ void wgmma_issue(Mma& mma, TA const& a, TB const& b, 
 // or softcap * log2 e * tanh(s * scale / softcap)), so exp is one ex2.approx; m is the running
 // max in those units. The thread holds rows rr = 0, 1 (row, row + 8) of its warp; element
 // 4j + 2rr + c of a fragment is (row rr, column 8j + 2 * (lane % 4) + c).
-template <bool kSoftcap, int kNT>
+template <bool kSoftcap>
 struct RowSoftmax {
   float m[2], l[2];  // running max (base 2) and this thread's partial row sums
   float z_scale, z_cap;
@@ -251,10 +277,10 @@ struct RowSoftmax {
     l[0] = l[1] = 0.0f;
   }
 
-  // s [kNT * 4] raw scores -> unnormalized probabilities exp2(z - m). Elements i with
+  // s [kNT * 4] raw scores of 8 * kNT keys -> unnormalized probabilities exp2(z - m). Elements i with
   // masked_out(i) get probability 0 when `masked` (uniform; only limit tiles). Returns in
   // alpha the factor the output rows must be multiplied by (0 while nothing was allowed yet).
-  template <typename MaskedOut>
+  template <int kNT, typename MaskedOut>
   __device__ __forceinline__ void step(float* s, bool masked, MaskedOut masked_out, float (&alpha)[2]) {
     // With a positive scale and no softcap, the max is taken on raw scores and the scale rides in
     // the exp's FFMA (scaling by z_scale > 0 is monotonic, also after rounding).
@@ -326,7 +352,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     Barrier::init(&ss.empty_q, Tr::kConsumerWarps);
     cutlass::arch::fence_barrier_init();
   }
-  sort_sequences<Tr>(p, ss.order);
+  sort_sequences<Tr>(p, ss);
   __syncthreads();
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
@@ -370,7 +396,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     for (int r = 0;; ++r) {
       const int u = unit_of_round(r, kp.num_units);
       if (u < 0) break;
-      const Unit w = decode_unit<Tr>(kp, ss.order, u);
+      const Unit w = decode_unit<Tr>(kp, ss, u);
       if (w.n_tiles == 0) continue;  // no row may see a key: the consumers write zeros
       // Q, once the consumers are done with the previous unit's.
       Barrier::wait(&ss.empty_q, (q_iter & 1) ^ 1);
@@ -406,11 +432,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   const int lane = threadIdx.x % 32;
   const bool warp_leader = lane == 0;
   typename Tr::TiledMmaQK mma_qk;
+  typename Tr::TiledMmaQKHalf mma_qk_half;
   typename Tr::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(ct);
+  auto thr_qk_half = mma_qk_half.get_thread_slice(ct);
   auto thr_pv = mma_pv.get_thread_slice(ct);
   Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+  Tensor tSrQh = thr_qk_half.partition_fragment_A(sQ);
+  Tensor tSrKh = thr_qk_half.partition_fragment_B(  // the first kBlockN / 2 rows of each K stage
+      local_tile(sK, Shape<Int<kBlockN / 2>, Int<kHeadDim>, Int<kStages>>{}, make_coord(0, 0, 0)));
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
   // (row, column) of this thread's accumulator elements, the same for S and O row-wise.
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -424,11 +455,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   auto sched_wait = [&] { named_sync(kSchedBarrier + cwg, Tr::kConsumerThreads); };
   auto sched_pass = [&] { named_arrive(kSchedBarrier + (1 - cwg), Tr::kConsumerThreads); };
   auto release = [&](uint64_t* bar) { __syncwarp(); if (warp_leader) Barrier::arrive(bar); };
-  // Zero V rows [rows, kBlockN) of stage s. Both warpgroups write the same zeros (so neither
+  // Zero V rows [rows, end) of stage s. Both warpgroups write the same zeros (so neither
   // waits for the other), then each fences its writes for wgmma and syncs its own 128 threads.
-  auto zero_v_tail = [&](int s, int rows) {
+  auto zero_v_tail = [&](int s, int rows, int end) {
     constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of one V row
-    for (int idx = ct % 128; idx < (kBlockN - rows) * kChunks; idx += 128)
+    for (int idx = ct % 128; idx < (end - rows) * kChunks; idx += 128)
       *reinterpret_cast<uint4*>(&sVt((idx % kChunks) * 8, rows + idx / kChunks, s)) = make_uint4(0, 0, 0, 0);
     cutlass::arch::fence_view_async_shared();
     named_sync(kZeroBarrier + cwg, 128);
@@ -439,7 +470,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   for (int r = 0;; ++r) {
     const int u = unit_of_round(r, kp.num_units);
     if (u < 0) break;
-    const Unit w = decode_unit<Tr>(kp, ss.order, u);
+    const Unit w = decode_unit<Tr>(kp, ss, u);
     const int64_t row_base = int64_t(w.m_block) * kBlockM;
     // This thread's two rows (local rows get<0>(cS(0)) and + 8) and their allowed keys.
     int limit[2];
@@ -452,22 +483,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     auto out_row = [&](int rr) { return out + (int64_t(w.b) * p.seqlen_q + row_of[rr]) * o_row + int64_t(w.h) * p.head_dim_v; };
     auto lse_at = [&](int rr) -> float& { return p.lse[(int64_t(w.b) * p.num_heads + w.h) * p.seqlen_q + row_of[rr]]; };
 
-    if (w.n_tiles == 0) {  // no row of the unit sees a key: zero rows, lse = -inf
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        if (row_of[rr] >= p.seqlen_q) continue;
-        Element* o = out_row(rr);
-#pragma unroll
-        for (int j = 0; j < kDT; ++j) {
-          const int col = get<1>(cO(4 * j + 2 * rr));
-          if (col < p.head_dim_v) *reinterpret_cast<uint32_t*>(o + col) = 0u;
-        }
-        if ((lane & 3) == 0) lse_at(rr) = -INFINITY;
-      }
+    if (w.n_tiles == 0) {  // no row of the unit sees a key: zero rows (16-byte stores), lse = -inf
+      const int rows = int(p.seqlen_q - row_base < kBlockM ? p.seqlen_q - row_base : kBlockM);
+      const int chunks = int(p.head_dim_v / 8);
+      Element* o = out + (int64_t(w.b) * p.seqlen_q + row_base) * o_row + int64_t(w.h) * p.head_dim_v;
+      for (int idx = ct; idx < rows * chunks; idx += Tr::kConsumerThreads)
+        *reinterpret_cast<uint4*>(o + (idx / chunks) * o_row + (idx % chunks) * 8) = make_uint4(0, 0, 0, 0);
+      for (int r = ct; r < rows; r += Tr::kConsumerThreads)
+        p.lse[(int64_t(w.b) * p.num_heads + w.h) * p.seqlen_q + row_base + r] = -INFINITY;
       continue;
     }
 
-    RowSoftmax<kSoftcap, kNT> softmax(p.scale, p.softcap);
+    RowSoftmax<kSoftcap> softmax(p.scale, p.softcap);
     auto masked_out_at = [&](int n0) {  // element i of S: key n0 + its column, row half (i / 2) % 2
       return [&, n0](int i) { return n0 + int(get<1>(cS(i))) >= limit[(i / 2) & 1]; };
     };
@@ -484,23 +511,59 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
 
     Barrier::wait(&ss.full_q, q_iter & 1);
     ++q_iter;
-    // Tile t = n_tiles - 1 (the last one, masked): S, softmax, P. When it is partial, its V
-    // rows past key_end are zeroed before the first P V.
+    // The last tile t = n_tiles - 1 first (masked). When it is partial its V rows past key_end
+    // are zeroed before its P V. When it holds at most kBlockN / 2 keys it runs whole on
+    // half-width products, and the next tile starts the overlapped loop instead.
     int t = w.n_tiles - 1;
     const int last_rows = w.key_end - t * kBlockN;  // in (0, kBlockN]
-    Barrier::wait(&ss.full_k[stage], phase);
-    wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
-    warpgroup_wait<0>();
-    release(&ss.empty_k[stage]);
-    softmax.step(tSrS.data(), true, masked_out_at(t * kBlockN), alpha);
-    convert_p();
-    clear(tOrO);
+    const bool half = Tr::kHalfTiles && last_rows <= kBlockN / 2;
+    // Short units also take turns for their first and last GEMMs, so that one warpgroup's
+    // epilogue runs under the other's GEMMs; long units issue those two at once (measured
+    // faster there). Both warpgroups see the same unit, so the turns stay paired.
+    const bool edge_turns = w.n_tiles <= kShortUnitTiles;
+    auto edge_wait = [&] { if (edge_turns) sched_wait(); };
+    auto edge_pass = [&] { if (edge_turns) sched_pass(); };
+    if constexpr (Tr::kHalfTiles) if (half) {
+      Tensor tSrSh = partition_fragment_C(mma_qk_half, Shape<Int<kBlockM>, Int<kBlockN / 2>>{});
+      Barrier::wait(&ss.full_k[stage], phase);
+      edge_wait();
+      wgmma_issue<true>(mma_qk_half, tSrQh, tSrKh(_, _, _, stage), tSrSh);
+      edge_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_k[stage]);
+      softmax.template step<kNT / 2>(tSrSh.data(), true, masked_out_at(t * kBlockN), alpha);
+      Tensor tOrPh = make_tensor_like<Element>(make_tensor(tSrSh.data(), acc_to_a_layout(tSrSh.layout())));
+      cutlass::NumericArrayConverter<Element, float, kNT * 2> convert;
+      *reinterpret_cast<cutlass::Array<Element, kNT * 2>*>(tOrPh.data()) =
+          convert(*reinterpret_cast<const cutlass::Array<float, kNT * 2>*>(tSrSh.data()));
+      Barrier::wait(&ss.full_v[stage], phase);
+      zero_v_tail(stage, last_rows, kBlockN / 2);
+      edge_wait();
+      wgmma_issue<true>(mma_pv, tOrPh, tOrV(_, _, _, stage), tOrO);  // the k-blocks of tOrPh only
+      edge_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_v[stage]);
+      advance();
+      --t;
+    }
+    if (!half) clear(tOrO);
+    if (t >= 0) {  // S, softmax and P of tile t; its P V is the loop's (or the final) product
+      Barrier::wait(&ss.full_k[stage], phase);
+      edge_wait();
+      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
+      edge_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_k[stage]);
+      softmax.template step<kNT>(tSrS.data(), true, masked_out_at(t * kBlockN), alpha);
+      rescale_rows<kDT * 4>(tOrO.data(), alpha);
+      convert_p();
+    }
     for (; t > 0; --t) {
       // S = Q K[t-1]^T and O += P V[t], issued back to back; the softmax of S runs under PV.
       const int stage_v = stage, phase_v = phase;
-      if (t == w.n_tiles - 1 && last_rows < kBlockN) {
+      if (t == w.n_tiles - 1 && last_rows < kBlockN && !half) {
         Barrier::wait(&ss.full_v[stage_v], phase_v);
-        zero_v_tail(stage_v, last_rows);
+        zero_v_tail(stage_v, last_rows, kBlockN);
       }
       advance();
       Barrier::wait(&ss.full_k[stage], phase);
@@ -512,19 +575,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       warpgroup_wait<1>();
       release(&ss.empty_k[stage]);
       const int n0 = (t - 1) * kBlockN;
-      softmax.step(tSrS.data(), n0 + kBlockN > w.min_limit, masked_out_at(n0), alpha);
+      softmax.template step<kNT>(tSrS.data(), n0 + kBlockN > w.min_limit, masked_out_at(n0), alpha);
       warpgroup_wait<0>();
       release(&ss.empty_v[stage_v]);
       rescale_rows<kDT * 4>(tOrO.data(), alpha);
       convert_p();
     }
     release(&ss.empty_q);  // the last Q K^T of this unit is done: the producer may load the next Q
-    Barrier::wait(&ss.full_v[stage], phase);
-    if (w.n_tiles == 1 && last_rows < kBlockN) zero_v_tail(stage, last_rows);
-    wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, stage), tOrO);
-    warpgroup_wait<0>();
-    release(&ss.empty_v[stage]);
-    advance();
+    if (t == 0) {  // P V of the first tile
+      Barrier::wait(&ss.full_v[stage], phase);
+      if (w.n_tiles == 1 && !half && last_rows < kBlockN) zero_v_tail(stage, last_rows, kBlockN);
+      edge_wait();
+      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, stage), tOrO);
+      edge_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_v[stage]);
+      advance();
+    }
 
     // Epilogue: O / l rounded once; a row decides "no allowed key" by its limit, never by its
     // sum, so NaN or Inf in real data propagates (SPEC: non-finite real data).
