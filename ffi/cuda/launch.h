@@ -23,6 +23,13 @@ cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream);
 template <typename Elem>
 cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream);
 
+namespace sm90 {
+// Hopper path (sm_90a only, ffi/cuda/sm90/): TMA + wgmma, warp-specialized, persistent. Built
+// when CMake finds the CUTLASS headers and sm_90a is among the targets (JAX_VARLEN_WITH_SM90).
+template <typename Elem, int kHeadDim>
+cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream);
+}  // namespace sm90
+
 // Picks the kernel for p on the current device and launches it on stream.
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
 
