@@ -8,6 +8,7 @@ Multiple devices (docs/multi_device.md): :func:`merge_attention` and
 :func:`export_disabled_checks` and :func:`register_ffi_targets` for ``jax.export``.
 """
 
+from jax_varlen import _ffi
 from jax_varlen._api import attention
 from jax_varlen._export import export_disabled_checks, register_ffi_targets
 from jax_varlen._merge import merge_attention
@@ -15,6 +16,14 @@ from jax_varlen._seqpar import sequence_parallel_attention
 from jax_varlen.reference import reference
 
 __version__ = "0.1.0"
+
+# Importing the package registers its FFI targets, so that a process that only deserializes
+# exported code (jax.export.deserialize(...).call(...)) finds them. A source tree that was
+# never built imports anyway; the op then says how to build on first use.
+try:
+    _ffi.extension()
+except ImportError:
+    pass
 
 __all__ = [
     "attention",

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_varlen._config import AttentionConfig
 from jax_varlen._autodiff import attention_with_grad
+from jax_varlen._config import AttentionConfig
 
 _FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 _LENGTH_DTYPES = (jnp.int32, jnp.int64)
@@ -24,9 +24,54 @@ def _check_array(name: str, x) -> None:
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
 
 
+def _canonical(x):
+    """NumPy inputs get JAX's dtype canonicalization, as ``jnp.asarray`` (and ``jax.nn``) give
+    them: float64 becomes float32 unless x64 is enabled. JAX arrays and tracers pass as they
+    are (their dtype is already canonical)."""
+    return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
+
+
+_AXIS_NAMES = {
+    ("query", 4): ("B", "Sq", "H", "D"), ("query", 3): ("B", "Sq", "H*D"),
+    ("key", 4): ("B", "Skv", "Hkv", "D"), ("key", 3): ("B", "Skv", "Hkv*D"),
+    ("value", 4): ("B", "Skv", "Hkv", "Dv"), ("value", 3): ("B", "Skv", "Hkv*Dv"),
+}
+
+
+def _check_static_dims(name: str, x) -> None:
+    """Only the batch may be symbolic (``jax.export`` with ``jax.export.symbolic_shape``): the
+    kernels' tiling, the CUDA path choice and the backward's blocks need the other extents."""
+    for axis, (dim, axis_name) in enumerate(zip(x.shape, _AXIS_NAMES[name, x.ndim])):
+        if axis > 0 and jax.export.is_symbolic_dim(dim):
+            raise ValueError(
+                f"{name}'s dimension {axis} ({axis_name}) is symbolic ({dim}) in shape "
+                f"{tuple(x.shape)}: jax_varlen supports a symbolic (shape-polymorphic) batch "
+                f"dimension B only; export with a concrete {axis_name} (one export per size)"
+            )
+
+
+def check_flag(name: str, value) -> bool:
+    """A static boolean attribute (is_causal, return_lse)."""
+    _check_static(name, value)
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _check_static(name: str, value) -> None:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a static Python value, got a traced one ({value!r}): it selects "
+            f"the compiled computation, so it cannot depend on traced data. Pass it through "
+            f"static_argnames (jax.jit(f, static_argnames=\"{name}\")) or bind it with "
+            f"functools.partial"
+        )
+
+
 def _heads(name: str, value, given) -> int:
     if value is None:
         return given
+    _check_static(name, value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
@@ -43,9 +88,11 @@ def _split_heads(name: str, x, heads: int, heads_name: str):
 
 
 def normalize_heads(query, key, value, num_heads, kv_num_heads):
-    """Checks ranks and head counts; returns rank-4 query, key, value."""
+    """Checks ranks and head counts; returns rank-4 query, key, value (NumPy inputs
+    canonicalized like JAX's)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _check_array(name, x)
+    query, key, value = map(_canonical, (query, key, value))
     if query.ndim not in (3, 4):
         raise ValueError(
             f"query must have rank 3 [B, Sq, H*D] or 4 [B, Sq, H, D], got shape {tuple(query.shape)}"
@@ -55,6 +102,8 @@ def normalize_heads(query, key, value, num_heads, kv_num_heads):
             raise ValueError(
                 f"{name} must have the rank of query ({query.ndim}), got shape {tuple(x.shape)}"
             )
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_static_dims(name, x)
     if query.ndim == 3:
         if num_heads is None:
             raise ValueError("num_heads is required for rank-3 inputs [B, S, H*D]; got None")
@@ -144,14 +193,15 @@ def check_lengths(nonpad_kv_seqlen, batch: int, seqlen_k: int):
 
 
 def make_config(head_dim: int, scale, is_causal, softcap) -> AttentionConfig:
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        _check_static(name, value)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    is_causal = check_flag("is_causal", is_causal)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
         raise TypeError(f"softcap must be a Python float, got {type(softcap).__name__}")
     if not (math.isfinite(softcap) and softcap >= 0):
@@ -175,7 +225,8 @@ def attention(
     """Attention over a padded ragged batch that spends no compute on padding.
 
     Args:
-      query: ``[B, Sq, H, D]`` or ``[B, Sq, H*D]``; float32, float16 or bfloat16.
+      query: ``[B, Sq, H, D]`` or ``[B, Sq, H*D]``; float32, float16 or bfloat16 (NumPy
+        inputs are canonicalized as JAX does: float64 becomes float32 unless x64 is on).
       key: ``[B, Skv, Hkv, D]`` or ``[B, Skv, Hkv*D]``; the dtype of ``query``.
       value: ``[B, Skv, Hkv, Dv]`` or ``[B, Skv, Hkv*Dv]``; ``Dv`` may differ from ``D``.
       nonpad_kv_seqlen: int32 or int64 ``[B]``: keys ``j < n_b`` of sequence ``b`` are real;
@@ -190,21 +241,30 @@ def attention(
         masking (Gemma 2 style).
       return_lse: also return the float32 log-sum-exp ``[B, H, Sq]`` (natural log).
 
+    ``num_heads``, ``kv_num_heads``, ``scale``, ``is_causal``, ``softcap`` and ``return_lse``
+    are static: under ``jax.jit`` pass them through ``static_argnames`` or
+    ``functools.partial``.
+
     Returns:
       ``out`` ``[B, Sq, H, Dv]`` with the rank and dtype of ``query`` (``[B, Sq, H*Dv]`` for
       rank 3); with ``return_lse`` the pair ``(out, lse)``. Rows with no allowed key
-      (``n_b = 0``, or the leading ``Sq - n_b`` rows under causal) are zero, with lse ``-inf``.
+      (``n_b = 0``, or the leading ``Sq - n_b`` rows under causal) are zero, with lse
+      ``-inf``: decided by the count of allowed keys, never by the values. A row that allows a
+      NaN or Inf (in its query or an allowed key or value) gives what the math gives (NaN).
 
     Raises:
       TypeError, ValueError: at trace time, naming the argument, the expected and the given
         value. Concrete out-of-range lengths raise ``ValueError``; traced ones are clamped into
-        ``[0, Skv]`` and reported under ``jax.experimental.checkify``.
+        ``[0, Skv]`` and reported under ``jax.experimental.checkify``. Forward-mode
+        differentiation raises ``TypeError`` and second-order gradients
+        ``NotImplementedError`` (reverse mode, first order, is supported).
     """
     rank = getattr(query, "ndim", None)
     query, key, value = normalize_heads(query, key, value, num_heads, kv_num_heads)
     check_shapes(query, key, value)
     lengths = check_lengths(nonpad_kv_seqlen, query.shape[0], key.shape[1])
     config = make_config(query.shape[3], scale, is_causal, softcap)
+    return_lse = check_flag("return_lse", return_lse)
     out, lse = attention_with_grad(query, key, value, lengths, config)
     if rank == 3:
         out = out.reshape(out.shape[:2] + (-1,))

@@ -4,7 +4,13 @@
 stability guarantee; ours are not (they are this package's ABI, stable only within a version
 of jax_varlen). Exporting a function that uses the op therefore needs
 ``disabled_checks=jax_varlen.export_disabled_checks()``, and the process that deserializes and
-runs it needs the same (or a compatible) jax_varlen installed, with its targets registered.
+runs it needs the same (or a compatible) jax_varlen installed and imported: ``import
+jax_varlen`` registers the targets.
+
+Shape polymorphism: the batch dimension may be symbolic (``jax.export.symbolic_shape("b")``);
+every other dimension must be concrete (``_api`` says which one is not). With a symbolic batch
+the bare FFI call carries no Shardy rule (its factor sizes must be numbers), so a sharded call
+of such an export gathers instead of splitting the batch.
 
 How the op partitions once exported (see ``_sharding.py``): split over the batch with no
 communication, by XLA's batch partitioner; split over heads only after gathering the heads.
@@ -21,9 +27,9 @@ from jax_varlen import _ffi
 def register_ffi_targets() -> None:
     """Loads the compiled extension and registers all its FFI targets with XLA (idempotent).
 
-    Calling the op does this on first use; a process that only deserializes exported code
-    must call it before running that code (``jax.export.deserialize(...).call(...)``).
-    The targets' batch partitioners are registered when ``jax_varlen`` is imported.
+    ``import jax_varlen`` already does this (and registers the targets' batch partitioners),
+    so a process that only deserializes exported code needs nothing more than the import.
+    Calling it explicitly raises ``ImportError`` when the compiled extension is missing.
     """
     _ffi.extension()
 

@@ -23,7 +23,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_varlen._api import check_lengths, check_shapes, make_config, normalize_heads
+from jax_varlen._api import (
+    check_flag,
+    check_lengths,
+    check_shapes,
+    make_config,
+    normalize_heads,
+)
 from jax_varlen._merge import merge_attention
 from jax_varlen._primitive import attention_fwd
 
@@ -101,6 +107,7 @@ def sequence_parallel_attention(
     Skv, Hkv = key.shape[1], key.shape[2]
     lengths = check_lengths(nonpad_kv_seqlen, B, Skv)
     config = make_config(D, scale, is_causal, softcap)
+    return_lse = check_flag("return_lse", return_lse)
 
     if not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be one mesh axis name (a str), got {axis_name!r}")

@@ -126,7 +126,10 @@ def _lower_for_export(rule, lowering, ctx, *args, **params):
             old = mlir.ir.DictAttr(op.attributes["mhlo.frontend_attributes"])
             attrs = {**{a.name: a.attr for a in old}, **attrs}
         op.attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(attrs)
-    if getattr(jax.config, "jax_use_shardy_partitioner", False):
+    # A Shardy rule gives every factor a number; a symbolic (shape-polymorphic) batch has none
+    # until the deserializing process refines the shapes, so such a call goes without one.
+    static = all(isinstance(d, int) for aval in ctx.avals_in for d in aval.shape)
+    if static and getattr(jax.config, "jax_use_shardy_partitioner", False):
         batch_only = rule.with_parallel([rule.batch_factor] if rule.batch_factor else [])
         shapes = [aval.shape for aval in ctx.avals_in]
         result_shapes = [tuple(mlir.ir.RankedTensorType(r.type).shape) for r in op.results]

@@ -91,7 +91,9 @@ void attend_rows(const AttentionParams& p, Scratch& w, const T* q_rows, int64_t 
 
   for (int64_t r = 0; r < kRows; ++r) {
     if (limit[r] < 0) continue;  // past the last query row
-    const bool any = l[r] > 0.0f;
+    // A row is empty by its count of allowed keys, never by the value of l: a NaN or Inf in
+    // a row's query or allowed keys makes l NaN, and that NaN must reach out and lse.
+    const bool any = limit[r] > 0;
     const float inv_l = any ? 1.0f / l[r] : 0.0f;
     for (int64_t e = 0; e < Dv; ++e)
       out_rows[r * out_row_stride + e] = from_float<T>(any ? acc[r * Dv + e] * inv_l : 0.0f);
