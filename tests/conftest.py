@@ -260,3 +260,141 @@ def pairwise(axes: dict[str, list], must: tuple[str, ...] = ()) -> list[dict]:
     while uncovered:
         take(range(len(full)))
     return chosen
+
+
+# --------------------------------------------------------------------------------------------
+# Non-finite real data: the rule (docs/semantics.md) and a check of it against the oracle.
+#
+# A row with no allowed key gives zeros and lse = -inf, decided by the count of allowed keys;
+# a row that allows a non-finite element gives what the math gives; every other row is
+# unaffected. Padding (NaN in make_inputs) is never read.
+
+# kind -> (array, value): one non-finite element written into real data.
+NONFINITE_KINDS = {
+    "query-nan": ("query", np.nan),
+    "query-inf": ("query", np.inf),
+    "key-nan": ("key", np.nan),
+    "key-inf": ("key", np.inf),
+    "value-nan": ("value", np.nan),
+    "value-inf": ("value", np.inf),
+}
+
+
+def nonfinite_positions(Sq, lengths):
+    """Where the element goes: sequence 0, query row Sq // 2, key/value row n_0 - 2 (under
+    causal only the last two query rows allow it, so the rows below must be unaffected),
+    head 1, query/key component 1, value component 2."""
+    n0 = int(lengths[0])
+    assert n0 >= 2, "sequence 0 needs two real keys"
+    return dict(b=0, i=Sq // 2, j=n0 - 2, h=1, d=1, e=2)
+
+
+def allowed_keys(Sq, Skv, lengths, causal):
+    """allowed[b, i, j], straight from the contract."""
+    n = np.asarray(lengths)[:, None, None]
+    i = np.arange(Sq)[None, :, None]
+    j = np.arange(Skv)[None, None, :]
+    ok = j < n
+    if causal:
+        ok = ok & (j <= i + n - Sq)
+    return np.broadcast_to(ok, (len(lengths), Sq, Skv))
+
+
+def nonfinite_inputs(kind, B, Sq, Skv, H, Hkv, D, Dv, dtype, lengths, seed=0, at=None):
+    """make_inputs with one non-finite element in real data (``NONFINITE_KINDS``), at
+    ``nonfinite_positions`` unless ``at`` (same keys) says otherwise.
+
+    For Inf, the factor it meets is made positive (key 0's component for a query Inf, every
+    query's component for a key Inf), so that the scores it touches are +inf and the rows
+    that allow it are NaN (+inf - max), whatever the random draw.
+    """
+    q, k, v, n = make_inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, lengths, seed=seed)
+    q, k, v = (np.array(x, np.float32) for x in (q, k, v))  # exact for f16/bf16; writable
+    array, value = NONFINITE_KINDS[kind]
+    p = at or nonfinite_positions(Sq, lengths)
+    b, i, j, h, d, e = (p[x] for x in "bijhde")
+    g = h // (H // Hkv)
+    if array == "query":
+        q[b, i, h, d] = value
+        k[b, 0, g, d] = np.abs(k[b, 0, g, d]) + 0.5
+    elif array == "key":
+        k[b, j, g, d] = value
+        heads = slice(g * (H // Hkv), (g + 1) * (H // Hkv))
+        q[b, :, heads, d] = np.abs(q[b, :, heads, d]) + 0.5
+    else:
+        v[b, j, g, e] = value
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    return q, k, v, n, p
+
+
+def expected_nonfinite(kind, p, Sq, Skv, H, Hkv, Dv, lengths, causal):
+    """Masks the rule implies: (out non-finite, out not asserted, lse non-finite).
+
+    Query element: its row (all of Dv), if the row allows any key. Key element: the rows of
+    its kv head's query heads that allow it. Value element: those rows, in its column only;
+    the rows that do not allow it are not asserted in that column (a kernel may multiply a
+    zero probability by it inside a tile).
+    """
+    B = len(lengths)
+    allowed = allowed_keys(Sq, Skv, lengths, causal)
+    out_bad = np.zeros((B, Sq, H, Dv), bool)
+    out_free = np.zeros_like(out_bad)
+    lse_bad = np.zeros((B, H, Sq), bool)
+    b, i, j, h = p["b"], p["i"], p["j"], p["h"]
+    G = H // Hkv
+    heads = np.arange((h // G) * G, (h // G + 1) * G)
+    array = NONFINITE_KINDS[kind][0]
+    if array == "query":
+        out_bad[b, i, h, :] = lse_bad[b, h, i] = allowed[b, i].any()
+    elif array == "key":
+        rows = np.flatnonzero(allowed[b, :, j])
+        out_bad[b, rows[:, None], heads[None, :], :] = True
+        lse_bad[b, heads[:, None], rows[None, :]] = True
+    else:
+        rows = allowed[b, :, j]
+        out_bad[b, np.flatnonzero(rows)[:, None], heads[None, :], p["e"]] = True
+        out_free[b, np.flatnonzero(~rows)[:, None], heads[None, :], p["e"]] = True
+    return out_bad, out_free, lse_bad
+
+
+def check_nonfinite_rule(kind, B, Sq, Skv, H, Hkv, D, Dv, dtype, lengths, *, seed=0,
+                         at=None, reaches=True, **kw):
+    """Runs the op (on the default device) on inputs with one non-finite element in real data
+    and checks the rule: non-finite exactly where it says (NaN for query/key elements, in out
+    and lse), the rest equal to the float64 oracle, which must follow the same rule.
+    ``reaches``: whether the element lies where some row allows it (else it is never read)."""
+    import jax_varlen
+
+    if NONFINITE_KINDS[kind][1] == np.inf:
+        assert not kw.get("softcap"), "softcap maps an infinite score to a finite one"
+    causal = kw.get("is_causal", False)
+    q, k, v, n, p = nonfinite_inputs(kind, B, Sq, Skv, H, Hkv, D, Dv, dtype, lengths,
+                                     seed=seed, at=at)
+    out, lse = jax_varlen.attention(q, k, v, n, return_lse=True, **kw)
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    hi_out, hi_lse = oracle_hi(q, k, v, n, return_lse=True, **kw)
+    cpu = jax.devices("cpu")[0]
+    base = None
+    if jnp.dtype(dtype) != jnp.float32:
+        args = [jax.device_put(np.asarray(x), cpu) for x in (q, k, v, n)]
+        base = oracle_same_precision(*args, **kw)
+    out_bad, out_free, lse_bad = expected_nonfinite(kind, p, Sq, Skv, H, Hkv, Dv, lengths,
+                                                    causal)
+    assert out_bad.any() == reaches, "the case does not test what it means to"
+    # Where the rule says non-finite: ours and the oracle's (NaN for query and key elements:
+    # the score is NaN or +inf, and exp(+inf - +inf) is NaN).
+    nan_kind = NONFINITE_KINDS[kind][0] != "value"
+    for name, got in (("ours", out), ("oracle", hi_out)):
+        bad = got[out_bad]
+        assert (np.isnan(bad) if nan_kind else ~np.isfinite(bad)).all(), (
+            f"{name}: {int(np.isfinite(bad).sum())} of {bad.size} outputs the non-finite "
+            f"element reaches are finite (a row that allows it was masked)")
+    for name, got in (("ours", lse), ("oracle", hi_lse)):
+        assert np.isnan(got[lse_bad]).all(), f"{name}: lse must be NaN in the rows it reaches"
+    # Everywhere else (less the unasserted entries): the oracle's finite result.
+    keep = ~(out_bad | out_free)
+    masked = lambda x: np.where(keep, x, 0.0)  # noqa: E731
+    assert_out_close(masked(out), masked(hi_out), None if base is None else masked(base),
+                     dtype, what="out (entries the element does not reach)")
+    assert_lse_close(np.where(lse_bad, 0.0, lse), np.where(lse_bad, 0.0, hi_lse))
+    return out, lse

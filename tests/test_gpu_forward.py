@@ -31,7 +31,9 @@ from conftest import (
     assert_out_close,
     bits,
     check_against_oracle,
+    check_nonfinite_rule,
     make_inputs,
+    NONFINITE_KINDS,
     pairwise,
 )
 
@@ -230,6 +232,54 @@ def test_head_size_over_256_raises(D, Dv):
         jax.jit(jax_varlen.attention)(q, k, v, n)
     with pytest.raises(ValueError, match=match):
         jax_varlen.attention(q, k, v, n)
+
+
+# --------------------------------------------------------------------------------------------
+# Non-finite real data propagates (docs/semantics.md): a row is empty by its count of allowed
+# keys, never by the value of its sum; rows that allow a NaN/Inf give NaN, the others are
+# unaffected; padding (NaN) is never read. Same checks as tests/test_nonfinite.py on the CPU.
+
+# path -> (dtype, shape). The element sits in sequence 0 at key row n_0 - 2 (past the first
+# key tile; for split-KV, in the second 1024-key split) and query row Sq // 2; sequence 1 has
+# n < Sq, so under causal its leading rows are empty.
+NONFINITE_PATHS = {
+    "onepass-bf16": ("bf16", dict(B=2, Sq=70, Skv=300, H=4, Hkv=2, D=128, Dv=128,
+                                  lengths=[300, 37])),
+    "onepass-f16": ("f16", dict(B=2, Sq=70, Skv=300, H=4, Hkv=2, D=64, Dv=64,
+                                lengths=[290, 3])),
+    "split-bf16": ("bf16", dict(B=2, Sq=4, Skv=1100, H=8, Hkv=2, D=64, Dv=64,
+                                lengths=[1100, 2])),
+    "simt-f32": ("f32", dict(B=2, Sq=9, Skv=200, H=4, Hkv=2, D=32, Dv=32, lengths=[150, 5])),
+    "portable-f16": ("f16", dict(B=2, Sq=9, Skv=200, H=4, Hkv=1, D=36, Dv=20,
+                                 lengths=[130, 4])),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("kind", list(NONFINITE_KINDS))
+@pytest.mark.parametrize("path", list(NONFINITE_PATHS))
+def test_nonfinite_real_data_propagates(path, kind, causal):
+    dtype, shape = NONFINITE_PATHS[path]
+    check_nonfinite_rule(kind, dtype=DTYPES[dtype], is_causal=causal, seed=41, **shape)
+
+
+@pytest.mark.parametrize("path", ["onepass-bf16", "split-bf16", "simt-f32"])
+def test_nan_propagates_through_softcap(path):
+    dtype, shape = NONFINITE_PATHS[path]
+    for kind in ("query-nan", "key-nan"):
+        check_nonfinite_rule(kind, dtype=DTYPES[dtype], is_causal=True, softcap=SOFTCAP,
+                             seed=42, **shape)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("path", list(NONFINITE_PATHS))
+def test_nan_query_in_a_row_without_keys(path, causal):
+    """Sequence 1's row 0 has no allowed key under causal (n < Sq): a NaN query there is
+    never read (zeros, lse = -inf); without causal the row allows keys and is NaN."""
+    dtype, shape = NONFINITE_PATHS[path]
+    at = dict(b=1, i=0, j=0, h=1, d=0, e=0)
+    check_nonfinite_rule("query-nan", dtype=DTYPES[dtype], is_causal=causal, at=at,
+                         reaches=not causal, seed=43, **shape)
 
 
 # --------------------------------------------------------------------------------------------
