@@ -1,0 +1,404 @@
+"""Gradients compose with JAX's transformations in every order users write them (CPU).
+
+Each program is written once over an attention function and run twice: with
+``jax_varlen.attention`` and with ``jax_varlen.reference`` (the dense oracle, differentiated
+by JAX itself); values and gradients must agree. The unsupported transformations (forward
+mode, grad of grad, symbolic non-batch dimensions) must fail with our messages.
+shard_map with grad inside runs on 8 devices in multi_device_cases.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_varlen
+from conftest import bits, make_inputs
+
+# GQA, causal with a sequence shorter than Sq (empty rows), softcap, NaN padding, Dv = D (so
+# that a layer's output can be added to its input).
+B, SQ, SKV, H, HKV, D = 2, 5, 7, 4, 2, 8
+LENGTHS = [7, 3]
+KW = dict(is_causal=True, softcap=2.0)
+ARGNUMS = (0, 1, 2)
+
+OURS = jax_varlen.attention
+REF = jax_varlen.reference
+IMPLS = {"ours": OURS, "reference": REF}
+
+needs_flatbuffers = pytest.mark.skipif(
+    importlib.util.find_spec("flatbuffers") is None,
+    reason="Exported.serialize() needs the flatbuffers package (pip install flatbuffers)",
+)
+
+
+def _inputs(seed=0, batch=B, lengths=LENGTHS):
+    return make_inputs(batch, SQ, SKV, H, HKV, D, D, jnp.float32, lengths[:batch], seed=seed)
+
+
+def _weights(shape, phase=0.0):
+    return jnp.cos(jnp.arange(np.prod(shape), dtype=jnp.float32) + phase).reshape(shape)
+
+
+def _loss(attn):
+    """A scalar of out and of the finite lse entries, non-uniformly weighted."""
+
+    def loss(q, k, v, n):
+        out, lse = attn(q, k, v, n, return_lse=True, **KW)
+        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out * _weights(out.shape)) + 0.3 * jnp.sum(finite_lse * _weights(lse.shape))
+
+    return loss
+
+
+@functools.cache
+def _reference_grads(seed=0):
+    q, k, v, n = _inputs(seed)
+    return jax.jit(jax.value_and_grad(_loss(REF), argnums=ARGNUMS))(q, k, v, n)
+
+
+def assert_grads_close(ours, ref, what="grad"):
+    ours, ref = jax.tree.leaves(ours), jax.tree.leaves(ref)
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape, (what, i, a.shape, b.shape)
+        assert np.isfinite(a).all(), f"{what}[{i}] has non-finite entries"
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * max(1.0, np.abs(b).max()),
+                                   err_msg=f"{what}[{i}]")
+
+
+def assert_padding_grads_zero(d_k, d_v, lengths=LENGTHS):
+    for b, nb in enumerate(lengths):
+        assert (np.asarray(d_k)[..., b, nb:, :, :] == 0).all()
+        assert (np.asarray(d_v)[..., b, nb:, :, :] == 0).all()
+
+
+# --------------------------------------------------------------------------------------------
+# grad and jit, in every order.
+
+
+def test_grad_of_jit():
+    """The issue's reproducer: the primal used to return a list where the fwd rule gave a tuple."""
+    q, k, v, n = _inputs()
+    grads = jax.grad(jax.jit(_loss(OURS)), argnums=ARGNUMS)(q, k, v, n)
+    assert_grads_close(grads, _reference_grads()[1])
+    assert_padding_grads_zero(grads[1], grads[2])
+
+
+def test_jit_of_grad():
+    q, k, v, n = _inputs()
+    grads = jax.jit(jax.grad(_loss(OURS), argnums=ARGNUMS))(q, k, v, n)
+    assert_grads_close(grads, _reference_grads()[1])
+
+
+def test_grad_of_a_loss_calling_jitted_attention():
+    attn = jax.jit(OURS, static_argnames=("is_causal", "softcap", "return_lse"))
+    q, k, v, n = _inputs()
+    grads = jax.grad(_loss(attn), argnums=ARGNUMS)(q, k, v, n)
+    assert_grads_close(grads, _reference_grads()[1])
+
+
+def test_value_and_grad():
+    q, k, v, n = _inputs()
+    value, grads = jax.jit(jax.value_and_grad(_loss(OURS), argnums=ARGNUMS))(q, k, v, n)
+    ref_value, ref_grads = _reference_grads()
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    assert_grads_close(grads, ref_grads)
+
+
+def test_vjp_with_lse_cotangent_only():
+    """A cotangent on lse alone (d_out symbolically zero) still reaches query and key."""
+    q, k, v, n = _inputs()
+
+    def pullback(attn):
+        def f(q, k, ct):
+            lse, vjp = jax.vjp(lambda q, k: attn(q, k, v, n, return_lse=True, **KW)[1], q, k)
+            return vjp(jnp.where(jnp.isfinite(lse), ct, 0.0))
+
+        return jax.jit(f)
+
+    ct = _weights((B, H, SQ))
+    assert_grads_close(pullback(OURS)(q, k, ct), pullback(REF)(q, k, ct))
+
+
+# --------------------------------------------------------------------------------------------
+# Rematerialization.
+
+POLICIES = {
+    "default": None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_checkpoint(policy):
+    q, k, v, n = _inputs()
+    loss = jax.checkpoint(_loss(OURS), policy=POLICIES[policy])
+    grad = jax.grad(loss, argnums=ARGNUMS)
+    assert_grads_close(jax.jit(grad)(q, k, v, n), _reference_grads()[1])
+    # The policy took effect: the op is not a dot, so only everything_saveable keeps its
+    # results; every other policy runs it again in the backward pass.
+    calls = str(jax.make_jaxpr(grad)(q, k, v, n)).count("jax_varlen_attention_fwd[")
+    assert calls == (1 if policy == "everything_saveable" else 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Control flow: scan over layers, cond, switch, fori_loop.
+
+LAYERS = 3
+
+
+def _layer_params(seed=1):
+    """Per-layer query scales [L, H, D] and keys/values [L, B, Skv, Hkv, D] (NaN padding)."""
+    ks, vs = [], []
+    for layer in range(LAYERS):
+        _, k, v, _ = _inputs(seed + layer)
+        ks.append(k), vs.append(v)
+    ws = 1.0 + 0.1 * _weights((LAYERS, H, D))
+    return ws, jnp.stack(ks), jnp.stack(vs)
+
+
+def _stack(attn):
+    """A scan over layers: x <- x + attention(x * w_l, k_l, v_l); also each layer's sum."""
+
+    def forward(x, ws, ks, vs, n):
+        def layer(x, params):
+            w, k, v = params
+            out = attn(x * w, k, v, n, **KW)
+            return x + out, jnp.sum(out)
+
+        return jax.lax.scan(layer, x, (ws, ks, vs))
+
+    def loss(x, ws, ks, vs, n):
+        x, sums = forward(x, ws, ks, vs, n)
+        return jnp.sum(x * _weights(x.shape)) + jnp.sum(sums * jnp.arange(1.0, LAYERS + 1))
+
+    return forward, loss
+
+
+def test_scan_over_layers_forward():
+    x, _, _, n = _inputs()
+    ws, ks, vs = _layer_params()
+    ours = jax.jit(_stack(OURS)[0])(x, ws, ks, vs, n)
+    ref = jax.jit(_stack(REF)[0])(x, ws, ks, vs, n)
+    assert_grads_close(ours, ref, what="scan outputs")
+
+
+def test_scan_over_layers_grad():
+    x, _, _, n = _inputs()
+    ws, ks, vs = _layer_params()
+    argnums = (0, 1, 2, 3)
+    ours = jax.jit(jax.grad(_stack(OURS)[1], argnums=argnums))(x, ws, ks, vs, n)
+    ref = jax.jit(jax.grad(_stack(REF)[1], argnums=argnums))(x, ws, ks, vs, n)
+    assert_grads_close(ours, ref)
+    assert_padding_grads_zero(ours[2], ours[3])
+
+
+def _branches(attn):
+    """Three branches with one output type: causal+softcap attention, plain attention of a
+    scaled query, and no attention at all."""
+    return [
+        lambda q, k, v, n: attn(q, k, v, n, **KW),
+        lambda q, k, v, n: attn(2.0 * q, k, v, n),
+        lambda q, k, v, n: jnp.tanh(q),
+    ]
+
+
+def _cond_loss(attn):
+    def loss(q, k, v, n, pred):
+        first, second, _ = _branches(attn)
+        out = jax.lax.cond(pred, first, second, q, k, v, n)
+        return jnp.sum(out * _weights(out.shape))
+
+    return loss
+
+
+def _switch_loss(attn):
+    def loss(q, k, v, n, index):
+        out = jax.lax.switch(index, _branches(attn), q, k, v, n)
+        return jnp.sum(out * _weights(out.shape))
+
+    return loss
+
+
+@pytest.mark.parametrize("control", ["cond", "switch"])
+def test_cond_and_switch(control):
+    q, k, v, n = _inputs()
+    make, selectors = {
+        "cond": (_cond_loss, [jnp.bool_(True), jnp.bool_(False)]),
+        "switch": (_switch_loss, [jnp.int32(0), jnp.int32(1), jnp.int32(2)]),
+    }[control]
+    ours = jax.jit(jax.value_and_grad(make(OURS), argnums=ARGNUMS))
+    ref = jax.jit(jax.value_and_grad(make(REF), argnums=ARGNUMS))
+    results = []
+    for s in selectors:  # one compilation each: the selector is traced
+        got, want = ours(q, k, v, n, s), ref(q, k, v, n, s)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        assert_grads_close(got[1], want[1])
+        results.append(bits(got[1][0]))
+    assert len(set(results)) == len(selectors)  # each branch really ran
+
+
+def test_fori_loop():
+    """fori_loop with static bounds (a scan underneath): differentiable in reverse mode."""
+    q, k, v, n = _inputs()
+
+    def make(attn):
+        def loss(x, k, v, n):
+            body = lambda i, x: x + attn(x, k, v, n, **KW) / (i + 1.0)  # noqa: E731
+            x = jax.lax.fori_loop(0, 3, body, x)
+            return jnp.sum(x * _weights(x.shape))
+
+        return loss
+
+    ours = jax.jit(jax.grad(make(OURS), argnums=ARGNUMS))(q, k, v, n)
+    ref = jax.jit(jax.grad(make(REF), argnums=ARGNUMS))(q, k, v, n)
+    assert_grads_close(ours, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# vmap of grad of jit; export of a jitted gradient.
+
+
+def test_vmap_of_grad_of_jit():
+    problems = [_inputs(3), _inputs(4, lengths=[2, 7])]  # lengths differ per problem
+    q, k, v, n = (jnp.stack([p[i] for p in problems]) for i in range(4))
+    grads = jax.vmap(jax.grad(jax.jit(_loss(OURS)), argnums=ARGNUMS))(q, k, v, n)
+    ref_grad = jax.jit(jax.grad(_loss(REF), argnums=ARGNUMS))
+    for i in range(2):
+        ref = ref_grad(q[i], k[i], v[i], n[i])
+        assert_grads_close([g[i] for g in grads], ref, what=f"problem {i}")
+
+
+@needs_flatbuffers
+def test_export_of_jitted_grad():
+    q, k, v, n = _inputs()
+    grad = jax.jit(jax.grad(_loss(OURS), argnums=ARGNUMS))
+    exported = jax.export.export(grad, disabled_checks=jax_varlen.export_disabled_checks())
+    blob = exported(q, k, v, n).serialize()
+    got = jax.export.deserialize(blob).call(q, k, v, n)
+    assert jax.tree.map(bits, got) == jax.tree.map(bits, grad(q, k, v, n))
+    assert_grads_close(got, _reference_grads()[1])
+
+
+@needs_flatbuffers
+def test_export_of_jitted_grad_with_symbolic_batch():
+    """One export, any batch size: the batch dimension may be symbolic."""
+    grad = jax.jit(jax.grad(_loss(OURS), argnums=ARGNUMS))
+    (b,) = jax.export.symbolic_shape("b")
+    specs = [jax.ShapeDtypeStruct((b,) + s, dt) for s, dt in (
+        ((SQ, H, D), jnp.float32), ((SKV, HKV, D), jnp.float32), ((SKV, HKV, D), jnp.float32),
+        ((), jnp.int32))]
+    exported = jax.export.export(grad, disabled_checks=jax_varlen.export_disabled_checks())
+    restored = jax.export.deserialize(exported(*specs).serialize())
+    assert str(restored.in_avals[0].shape[0]) == "b"
+    for batch in (1, 2):
+        args = _inputs(batch=batch)
+        assert jax.tree.map(bits, restored.call(*args)) == jax.tree.map(bits, grad(*args))
+
+
+# --------------------------------------------------------------------------------------------
+# Unsupported: forward mode and second order fail with our messages.
+
+FORWARD_MODE = r"does not support forward-mode differentiation.*Use jax\.grad, jax\.vjp or jax\.jacrev"
+SECOND_ORDER = r"jax_varlen: second-order gradients \(grad of grad\) are not supported"
+
+
+def _out(q, k, v, n):
+    return OURS(q, k, v, n, **KW)
+
+
+def _scalar(q, k, v, n):
+    return jnp.sum(_out(q, k, v, n) * _weights((B, SQ, H, D)))
+
+
+FORWARD_CASES = {
+    "jvp": lambda q, k, v, n: jax.jvp(lambda q: _out(q, k, v, n), (q,), (q,)),
+    "jvp-of-jit": lambda q, k, v, n: jax.jvp(jax.jit(lambda q: _out(q, k, v, n)), (q,), (q,)),
+    "jit-of-jvp": lambda q, k, v, n: jax.jit(
+        lambda q: jax.jvp(lambda q: _out(q, k, v, n), (q,), (q,)))(q),
+    "jacfwd": lambda q, k, v, n: jax.jacfwd(lambda k: _scalar(q, k, v, n))(k),
+    "linearize-then-call": lambda q, k, v, n: jax.linearize(lambda q: _out(q, k, v, n), q)[1](q),
+    "hessian": lambda q, k, v, n: jax.hessian(lambda q: _scalar(q, k, v, n))(q),
+    "jvp-of-grad": lambda q, k, v, n: jax.jvp(
+        jax.grad(lambda q: _scalar(q, k, v, n)), (q,), (q,)),
+}
+
+
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_forward_mode_raises_our_message(case):
+    with pytest.raises(TypeError, match=FORWARD_MODE):
+        FORWARD_CASES[case](*_inputs())
+
+
+def test_linearize_alone_and_its_transpose_work():
+    """jax.linearize itself succeeds, and transposing its linear map is reverse mode."""
+    q, k, v, n = _inputs()
+
+    @jax.jit
+    def transposed(q, ct):
+        _, f_jvp = jax.linearize(lambda q: _out(q, k, v, n), q)
+        return jax.linear_transpose(f_jvp, q)(ct)
+
+    ct = _weights((B, SQ, H, D))
+    ref = jax.jit(lambda q, ct: jax.vjp(lambda q: REF(q, k, v, n, **KW), q)[1](ct))
+    assert_grads_close(transposed(q, ct), ref(q, ct))
+
+
+SECOND_ORDER_CASES = {
+    "grad-of-grad": lambda q, k, v, n: jax.grad(
+        lambda q: jnp.sum(jax.grad(lambda q: _scalar(q, k, v, n))(q)))(q),
+    "grad-of-jit-grad": lambda q, k, v, n: jax.grad(
+        lambda k: jnp.sum(jax.jit(jax.grad(lambda k: _scalar(q, k, v, n)))(k)))(k),
+    # Through the cotangent only (the forward is not differentiated): still refused, since
+    # the backward pass is not differentiable.
+    "grad-through-cotangent": lambda q, k, v, n: jax.grad(
+        lambda w: jnp.sum(jax.grad(lambda q: jnp.sum(_out(q, k, v, n) * w))(q)))(
+        jnp.ones((B, SQ, H, D))),
+}
+
+
+@pytest.mark.parametrize("case", list(SECOND_ORDER_CASES))
+def test_second_order_raises_our_message(case):
+    with pytest.raises(NotImplementedError, match=SECOND_ORDER):
+        SECOND_ORDER_CASES[case](*_inputs())
+
+
+@pytest.mark.parametrize(
+    "rank, axis, name",
+    [(4, 1, "Sq"), (4, 2, "H"), (4, 3, "D"), (3, 2, "H*D")],
+    ids=["sq", "heads", "head_dim", "rank3-last"],
+)
+def test_export_with_symbolic_non_batch_dimension_names_it(rank, axis, name):
+    (s,) = jax.export.symbolic_shape("s")
+    q_shape = [B, SQ, H, D] if rank == 4 else [B, SQ, H * D]
+    q_shape[axis] = s
+    kv = (B, SKV, HKV, D) if rank == 4 else (B, SKV, HKV * D)
+    specs = [jax.ShapeDtypeStruct(tuple(q_shape), jnp.float32),
+             jax.ShapeDtypeStruct(kv, jnp.float32), jax.ShapeDtypeStruct(kv, jnp.float32),
+             jax.ShapeDtypeStruct((B,), jnp.int32)]
+    f = functools.partial(OURS, num_heads=H if rank == 3 else None)
+    match = rf"query's dimension {axis} \({re.escape(name)}\) is symbolic \(s\).*batch dimension B only"
+    with pytest.raises(ValueError, match=match):
+        jax.export.export(jax.jit(f), disabled_checks=jax_varlen.export_disabled_checks())(*specs)
+
+
+def test_export_with_symbolic_kv_length_names_it():
+    (s,) = jax.export.symbolic_shape("s")
+    specs = [jax.ShapeDtypeStruct((B, SQ, H, D), jnp.float32),
+             jax.ShapeDtypeStruct((B, s, HKV, D), jnp.float32),
+             jax.ShapeDtypeStruct((B, s, HKV, D), jnp.float32),
+             jax.ShapeDtypeStruct((B,), jnp.int32)]
+    with pytest.raises(ValueError, match=r"key's dimension 1 \(Skv\) is symbolic \(s\)"):
+        jax.export.export(jax.jit(OURS), disabled_checks=jax_varlen.export_disabled_checks())(
+            *specs)
+
