@@ -1,4 +1,5 @@
-"""Times jax_varlen.attention against jax.nn.dot_product_attention (cudnn, xla) on named shapes.
+"""Times jax_varlen.attention against jax.nn.dot_product_attention (cudnn, xla) and, when it is
+importable, FlashAttention-3's JAX binding (flash-attn3-jax, impl "fa3") on named shapes.
 
 On a GPU machine:   python3 benchmarks/bench.py [--shapes d128-full,...] [--decode] [--quick]
 CPU smoke test:     JAX_PLATFORMS=cpu python benchmarks/bench.py --cpu-smoke --impls xla
@@ -26,6 +27,7 @@ import bench_report as report
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PEERS = ("cudnn", "xla")
+FA3 = "fa3"  # flash-attn3-jax: flash_mha_varlen with seqused_k = our lengths (bottom-right causal)
 SMOKE_DIV = 32  # --cpu-smoke divides Sq, Skv and lengths by this and keeps B <= 2
 L2_BYTES = 50 << 20  # H200 L2; inputs below 4x this are rotated among 3 sets
 CHECK_SEQS = 2  # sequences compared against the fp32 reference
@@ -36,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", help="comma-separated names from shapes.json "
                    "(default: all non-decode shapes; --decode adds decode shapes)")
     p.add_argument("--decode", action="store_true", help="include decode shapes (Sq == 1)")
-    p.add_argument("--impls", default="jax_varlen,cudnn,xla")
+    p.add_argument("--impls", default="jax_varlen,cudnn,fa3,xla")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--tag", default="fwd", help="file-name suffix")
@@ -110,20 +112,48 @@ def import_jax_varlen():
         return None, f"import jax_varlen: {type(e).__name__}: {e}"
 
 
-def build_impls(names, jax_varlen):
+def fa3_fn():
+    """FlashAttention-3's varlen forward on our padded layout, or (None, error) without it: the
+    rectangle is flattened to [B*S, heads, dim] with cu_seqlens = b * S and seqused_k = lengths,
+    which is the same computation (its causal mask is bottom-right, like ours)."""
+    try:
+        from flash_attn3_jax import flash_mha_varlen
+    except Exception as e:  # noqa: BLE001 - optional peer
+        return None, f"import flash_attn3_jax: {type(e).__name__}: {e}"
+
+    def fn(q, k, v, n, *, scale, is_causal):
+        b, sq, h, d = q.shape
+        skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+        cu_q = jnp.arange(b + 1, dtype=jnp.int32) * sq
+        cu_k = jnp.arange(b + 1, dtype=jnp.int32) * skv
+        out = flash_mha_varlen(q.reshape(b * sq, h, d), k.reshape(b * skv, hkv, d),
+                               v.reshape(b * skv, hkv, dv), cu_q, cu_k, seqused_k=n,
+                               max_seqlen_q=sq, max_seqlen_k=skv, softmax_scale=scale,
+                               is_causal=is_causal)
+        return out.reshape(b, sq, h, dv)
+    return fn, None
+
+
+def build_impls(names, jax_varlen, import_errors):
     impls = {}
     for name in names:
         if name == report.OURS:
             if jax_varlen is not None:
                 impls[name] = (lambda q, k, v, n, *, scale, is_causal: jax_varlen.attention(
                     q, k, v, n, scale=scale, is_causal=is_causal), metrics.TAIL)
+        elif name == FA3:
+            fn, err = fa3_fn()
+            if fn is None:
+                import_errors[name] = err
+            else:
+                impls[name] = (fn, metrics.TAIL)
         elif name in PEERS:
             impls[name] = (lambda q, k, v, n, *, scale, is_causal, impl=name:
                            jax.nn.dot_product_attention(
                                q, k, v, key_value_seq_lengths=n, scale=scale,
                                is_causal=is_causal, implementation=impl), metrics.TOP_LEFT)
         else:
-            sys.exit(f"unknown impl {name!r}; known: {report.OURS}, {', '.join(PEERS)}")
+            sys.exit(f"unknown impl {name!r}; known: {report.OURS}, {FA3}, {', '.join(PEERS)}")
     return impls
 
 
@@ -250,7 +280,7 @@ def package_versions():
     names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
              "jax-cuda12-pjrt", "jax_varlen")
     versions = {}
-    for n in names:
+    for n in names + ("flash-attn3-jax",):
         try:
             versions[n] = importlib.metadata.version(n)
         except importlib.metadata.PackageNotFoundError:
@@ -264,11 +294,11 @@ def main(argv=None):
     if args.cpu_smoke:
         shapes = {n: shrink(s) for n, s in shapes.items()}
         args.quick = True  # a logic test: short timing loops
-    names = [n for n in args.impls.split(",") if not (args.cpu_smoke and n == "cudnn")]
+    names = [n for n in args.impls.split(",") if not (args.cpu_smoke and n in ("cudnn", FA3))]
 
     jax_varlen, import_error = (import_jax_varlen() if report.OURS in names else (None, None))
-    impls = build_impls(names, jax_varlen)
     import_errors = {report.OURS: import_error} if import_error else {}
+    impls = build_impls(names, jax_varlen, import_errors)
 
     device = jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()

@@ -69,11 +69,13 @@ __global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_
       if (lane + 32 * c < Dv) acc[c] = acc[c] * alpha + pj * load_float(vj + lane + 32 * c);
   }
   Elem* out = static_cast<Elem*>(p.out) + ((b * p.seqlen_q + i) * p.num_heads + h) * Dv;
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  // "No allowed key" is decided by the row's limit, never by l, so NaN/Inf in real data
+  // propagates (SPEC: non-finite real data).
+  const float inv = limit > 0 ? 1.0f / l : 0.0f;
 #pragma unroll
   for (int c = 0; c < kSimtPerLane; ++c)
     if (lane + 32 * c < Dv) out[lane + 32 * c] = store_float<Elem>(acc[c] * inv);
-  if (lane == 0) p.lse[(b * p.num_heads + h) * p.seqlen_q + i] = l > 0.0f ? m + logf(l) : -INFINITY;
+  if (lane == 0) p.lse[(b * p.num_heads + h) * p.seqlen_q + i] = limit > 0 ? m + logf(l) : -INFINITY;
 }
 
 template <typename Elem>

@@ -208,19 +208,24 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<k
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w) mx = fmaxf(mx, sm[w * Tr::kRows + row]);
+    // A warp that saw no allowed key has l = 0 and m = -inf: weight 0. A row with no allowed
+    // key in this split sums to exactly 0 (zero partial, lse -inf); NaN in real data keeps
+    // the sum NaN and propagates (SPEC: non-finite real data).
+    const float m_use = mx == -INFINITY ? 0.0f : mx;
     float sum = 0.0f, acc = 0.0f;
-    if (mx != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < Tr::kWarps; ++w) {
-        const float wgt = exp2_approx(sm[w * Tr::kRows + row] - mx);
-        sum += sl[w * Tr::kRows + row] * wgt;
-        acc += so[(w * Tr::kRows + row) * kHeadDim + col] * wgt;
-      }
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float wgt = exp2_approx(sm[w * Tr::kRows + row] - m_use);
+      sum += sl[w * Tr::kRows + row] * wgt;
+      acc += so[(w * Tr::kRows + row) * kHeadDim + col] * wgt;
     }
-    o_part[int64_t(row) * p.head_dim_v + col] = sum > 0.0f ? acc / sum : 0.0f;
-    if (col == 0) lse_part[row] = sum > 0.0f ? mx + log2f(sum) : -INFINITY;
+    o_part[int64_t(row) * p.head_dim_v + col] = sum == 0.0f ? 0.0f : acc / sum;
+    if (col == 0) lse_part[row] = sum == 0.0f ? -INFINITY : mx + log2f(sum);
   }
 }
+
+// max that keeps NaN (fmaxf drops it): a NaN partial lse must reach the merged row.
+__device__ __forceinline__ float max_nan(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
 
 // Sum (or max) of one value per thread over the block, in a fixed order: a butterfly inside
 // each warp, then the warps' results in warp order. `red` is kCombineWarps floats of smem.
@@ -230,14 +235,14 @@ __device__ __forceinline__ float combine_reduce(float x, float* red) {
 #pragma unroll
   for (int mask = 16; mask > 0; mask /= 2) {
     const float y = __shfl_xor_sync(0xffffffff, x, mask);
-    x = kMax ? fmaxf(x, y) : x + y;
+    x = kMax ? max_nan(x, y) : x + y;
   }
   __syncthreads();  // red is free (an earlier reduction's readers are done)
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
   __syncthreads();
   x = red[0];
 #pragma unroll
-  for (int w = 1; w < kCombineWarps; ++w) x = kMax ? fmaxf(x, red[w]) : x + red[w];
+  for (int w = 1; w < kCombineWarps; ++w) x = kMax ? max_nan(x, red[w]) : x + red[w];
   return x;
 }
 
@@ -260,7 +265,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   const float* lse_part = p.workspace + p.batch * p.kv_num_heads * max_splits(p) * rows_pad * p.head_dim_v + first;
 
   float mx = -INFINITY;
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = fmaxf(mx, lse_part[s * rows_pad]);
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = max_nan(mx, lse_part[s * rows_pad]);
   mx = combine_reduce<true>(mx, red);
   float sum = 0.0f;
   if (mx != -INFINITY)
@@ -285,7 +290,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   for (int c = 0; c < kCols; ++c) part[warp][lane + 32 * c] = acc[c];
   __syncthreads();
 
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;  // 0: no split saw a key; NaN propagates
   const int64_t i = r / group, h = g * group + r % group;
   Elem* out = static_cast<Elem*>(p.out) + ((b * p.seqlen_q + i) * p.num_heads + h) * p.head_dim_v;
   for (int col = threadIdx.x; col < p.head_dim_v; col += blockDim.x) {
@@ -295,7 +300,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
     out[col] = Elem(total * inv);
   }
   if (threadIdx.x == 0)
-    p.lse[(b * p.num_heads + h) * p.seqlen_q + i] = sum > 0.0f ? (mx + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+    p.lse[(b * p.num_heads + h) * p.seqlen_q + i] = sum == 0.0f ? -INFINITY : (mx + log2f(sum)) * 0.6931471805599453f;
 }
 
 template <typename Elem, int kHeadDim>

@@ -221,7 +221,10 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const int64_t r = blk.row_begin + warp * 16 * kMT + mt * 16 + lane / 4 + 8 * rr;
       if (r >= blk.row_end) continue;
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      // "No allowed key" is decided by the row's limit, never by its sum, so NaN/Inf in real
+      // data propagates (SPEC: non-finite real data).
+      const bool any = limit[mt][rr] > 0;
+      const float inv = any ? 1.0f / sum : 0.0f;
       Elem* row = out + q_offset(r) * p.head_dim_v;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
@@ -229,7 +232,7 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
         if (col < p.head_dim_v)
           *reinterpret_cast<uint32_t*>(row + col) = pack2<Elem>(o[mt][dt][2 * rr] * inv, o[mt][dt][2 * rr + 1] * inv);
       }
-      if ((lane & 3) == 0) p.lse[lse_offset(r)] = sum > 0.0f ? m[mt][rr] * kLn2 + logf(sum) : -INFINITY;
+      if ((lane & 3) == 0) p.lse[lse_offset(r)] = any ? m[mt][rr] * kLn2 + logf(sum) : -INFINITY;
     }
 }
 
