@@ -182,6 +182,10 @@ def _backward(config, query, key, value, lengths, out, lse, d_out, d_lse):
     xs = (jnp.arange(blocks), q, do, o, lse_r, dlse_r)
     (d_k, d_v), d_q = jax.lax.scan(step, init, xs)  # d_q: [blocks, B, rows, Hkv, G, D]
     d_q = jnp.moveaxis(d_q, 0, 1).reshape(B, blocks * rows, H, D)[:, :Sq]
+    # Padded keys and values: exactly zero, also when a NaN query row turns 0 * NaN into NaN
+    # in the products above.
+    d_k = jnp.where(valid[:, :, None, None], d_k, 0.0)
+    d_v = jnp.where(valid[:, :, None, None], d_v, 0.0)
     return d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype)
 
 

@@ -1,10 +1,15 @@
-"""The independent oracle: dense, masked attention in plain JAX, following SPEC.md.
+"""The independent oracle: dense, masked attention in plain JAX, following the contract
+(docs/semantics.md).
 
 Every score `[B, H, Sq, Skv]` is computed, then masked; nothing here is fast or shared with
 the kernels, so the kernels can be tested against it. It is differentiable (gradients for
 query, key and value), and works under `jit` and `vmap`.
 
-Choices where SPEC.md is silent:
+Empty rows and non-finite data: a row with no allowed key gives zeros and
+lse = -inf, decided by the allowed mask (never by the value of the sum); a row that allows a
+NaN or Inf gives what the arithmetic gives (NaN), like `jax.nn.dot_product_attention`.
+
+Choices where the contract (docs/semantics.md) is silent:
 - Compute dtype is `promote(float32, query.dtype)`: fp32 for f32/f16/bf16, fp64 for f64
   inputs (x64 enabled), which the spec does not cover but a test baseline may want.
 - `lse` is always float32, as the spec's table says, even for f64 inputs.
@@ -108,7 +113,11 @@ def reference(
     p = jnp.exp(s - m)  # masked scores are -inf, so p == 0 there
     l = jnp.where(any_allowed, jnp.sum(p, axis=-1, keepdims=True), 1.0)
 
-    out = jnp.einsum("bhqk,bkhd->bqhd", p / l, v, precision=_HIGHEST)  # [B, Sq, H, Dv]
+    # Masked weights are exactly 0 even in a row whose max or sum is NaN (non-finite real
+    # data): the NaN stays in that row's output and never reaches the gradients of keys and
+    # values the row does not allow.
+    weights = jnp.where(allowed, p / l, 0.0)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v, precision=_HIGHEST)  # [B, Sq, H, Dv]
     out = out.astype(out_dtype)
     if rank3:
         out = out.reshape(batch, seqlen_q, -1)

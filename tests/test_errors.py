@@ -195,3 +195,58 @@ def test_non_array_argument():
     args[1] = [[0.0]]
     with pytest.raises(TypeError, match=r"key must be an array, got list"):
         jax_varlen.attention(*args)
+
+
+@pytest.mark.parametrize("value", [None, 1, "yes", np.array([True])],
+                         ids=["none", "int", "str", "array"])
+def test_return_lse_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=r"return_lse must be a bool, got"):
+        jax_varlen.attention(*_good(), return_lse=value)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("is_causal", True), ("return_lse", True), ("scale", 0.5), ("softcap", 2.0)],
+)
+def test_traced_static_attribute_says_static_argnames(name, value):
+    """A static attribute passed as a traced jit argument: say what to do instead."""
+    args = _good()
+    f = jax.jit(lambda x: jax_varlen.attention(*args, **{name: x}))
+    match = (rf"{name} must be a static Python value, got a traced one.*"
+             rf"static_argnames \(jax\.jit\(f, static_argnames=\"{name}\"\)\).*functools\.partial")
+    with pytest.raises(TypeError, match=match):
+        f(value)
+    # ... and what it suggests works.
+    out = jax.jit(lambda *a, **kw: jax_varlen.attention(*a, **kw),
+                  static_argnames=name)(*args, **{name: value})
+    assert out is not None
+
+
+def test_numpy_float64_inputs_are_canonicalized_like_jax():
+    """With x64 off, NumPy float64 becomes float32 (JAX's dtype canonicalization, which
+    jax.nn.dot_product_attention applies too); the result is the float32 call's."""
+    assert not jax.config.jax_enable_x64
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, SQ, H, D))
+    k = rng.standard_normal((B, SKV, HKV, D))
+    v = rng.standard_normal((B, SKV, HKV, D))
+    n = np.asarray([SKV, 3])  # int64 NumPy lengths are accepted as they are
+    assert q.dtype == np.float64
+    ours = jax_varlen.attention(q, k, v, n)
+    assert ours.dtype == jnp.float32
+    f32 = jax_varlen.attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), n)
+    assert np.asarray(ours).tobytes() == np.asarray(f32).tobytes()
+    assert jax.nn.dot_product_attention(q, np.repeat(k, 2, 2), np.repeat(v, 2, 2)).dtype == jnp.float32
+    # Rank 3 and a mix of NumPy float64 and JAX float32 arrays canonicalize the same way.
+    mixed = jax_varlen.attention(q.reshape(B, SQ, -1), jnp.asarray(k.reshape(B, SKV, -1), jnp.float32),
+                                 v.reshape(B, SKV, -1), n, num_heads=H, kv_num_heads=HKV)
+    assert np.asarray(mixed).tobytes() == np.asarray(f32).reshape(B, SQ, -1).tobytes()
+
+
+def test_numpy_float64_with_x64_is_rejected():
+    """With x64 on, float64 stays float64 (as in JAX), which the op does not take."""
+    with jax.enable_x64(True):
+        q = np.zeros((B, SQ, H, D))
+        k = v = np.zeros((B, SKV, HKV, D))
+        with pytest.raises(TypeError, match=r"query must be float32, float16 or bfloat16, got float64"):
+            jax_varlen.attention(q, k, v, np.asarray([SKV, 3]))

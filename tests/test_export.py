@@ -6,6 +6,8 @@ Single device here; sharded export runs in multi_device_cases.py.
 from __future__ import annotations
 
 import importlib.util
+import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -77,31 +79,50 @@ def test_round_trip_rank3_gqa():
 
 
 @needs_flatbuffers
-def test_deserialize_in_a_fresh_process(tmp_path):
-    """The deserializing process registers the targets with register_ffi_targets() only."""
+@pytest.mark.parametrize("register", [False, True], ids=["import-only", "register_ffi_targets"])
+def test_deserialize_in_a_fresh_process(tmp_path, register):
+    """A process that only deserializes finds the targets: `import jax_varlen` registers them
+    (it used to fail with "NOT_FOUND: No FFI handler registered" without the explicit call)."""
     args = _inputs()
     fn = jax.jit(_fn)
     exp = jax.export.export(fn, disabled_checks=jax_varlen.export_disabled_checks())(*args)
     (tmp_path / "fn.bin").write_bytes(exp.serialize())
     np.savez(tmp_path / "args.npz", *[np.asarray(a) for a in args])
     script = textwrap.dedent(
-        """
+        f"""
         import sys
         import jax, numpy as np
         import jax_varlen
 
-        jax_varlen.register_ffi_targets()
+        {"jax_varlen.register_ffi_targets()" if register else ""}
         exp = jax.export.deserialize(open(sys.argv[1] + "/fn.bin", "rb").read())
         args = np.load(sys.argv[1] + "/args.npz")
-        out, lse = exp.call(*[args[f"arr_{i}"] for i in range(4)])
+        out, lse = exp.call(*[args[f"arr_{{i}}"] for i in range(4)])
         np.savez(sys.argv[1] + "/out.npz", out=np.asarray(out), lse=np.asarray(lse))
         """
     )
-    # Same platform as this process (the blob was exported for it); cwd = tmp_path: the
-    # repository root must not shadow the installed package.
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=tmp_path,
+    # Same platform as this process (the blob was exported for it); the same jax_varlen as
+    # this process (the source tree finds its compiled extension in the installed copy).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(pathlib.Path(jax_varlen.__file__).resolve().parents[1])]
+        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = np.load(tmp_path / "out.npz")
     ref_out, ref_lse = _fn(*args)
     assert bits(got["out"]) == bits(ref_out) and bits(got["lse"]) == bits(ref_lse)
+
+
+@needs_flatbuffers
+def test_round_trip_with_symbolic_batch():
+    """A symbolic batch (shape polymorphism): one export serves every batch size."""
+    (b,) = jax.export.symbolic_shape("b")
+    q, k, v, n = _inputs()
+    specs = [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in (q, k, v, n)]
+    fn = jax.jit(_fn)
+    exp = jax.export.export(fn, disabled_checks=jax_varlen.export_disabled_checks())(*specs)
+    restored = jax.export.deserialize(exp.serialize())
+    for batch in (1, 3, 4):
+        args = [x[:batch] for x in (q, k, v, n)]
+        assert jax.tree.map(bits, restored.call(*args)) == jax.tree.map(bits, fn(*args))

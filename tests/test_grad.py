@@ -88,3 +88,47 @@ def test_grad_in_several_row_blocks(monkeypatch, elements):
     ref = jax.grad(_loss(jax_varlen.reference, n, causal, softcap), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * max(1.0, np.abs(b).max()))
+
+
+@pytest.mark.parametrize(
+    "B,Sq,Skv,lengths",
+    [(2, 0, 16, [16, 3]), (2, 5, 0, [0, 0]), (0, 5, 16, []), (0, 0, 0, []), (2, 0, 0, [0, 0])],
+    ids=["sq0", "skv0", "b0", "all0", "sq0-skv0"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_grad_of_empty_extents(B, Sq, Skv, lengths, causal):
+    """Sq = 0 used to divide by zero in the backward's block count. Empty extents give
+    gradients of the right shapes, all zero, as the reference's."""
+    q, k, v, n = make_inputs(B, Sq, Skv, 4, 2, 8, 6, jnp.float32, lengths, seed=10)
+    f = lambda attn: jax.jit(jax.grad(_loss(attn, n, causal, 0.0), argnums=(0, 1, 2)))  # noqa: E731
+    ours, ref = f(jax_varlen.attention)(q, k, v), f(jax_varlen.reference)(q, k, v)
+    for x, a, b in zip((q, k, v), ours, ref):
+        assert a.shape == x.shape and a.dtype == x.dtype
+        assert (np.asarray(a) == 0).all() and (np.asarray(b) == 0).all()
+
+
+def test_grad_with_nan_in_a_real_query_row():
+    """Non-finite real data propagates into the gradient too (a zeroed row would hide a
+    blow-up): the NaN row's d_query is NaN, as the reference's, and the other rows of d_query
+    and the other sequence are unaffected; padded keys and values still get exactly zero."""
+    Sq, Skv, H, Hkv, D, Dv, lengths = 6, 11, 4, 2, 8, 8, [9, 4]
+    q, k, v, n = make_inputs(2, Sq, Skv, H, Hkv, D, Dv, jnp.float32, lengths, seed=11)
+    b, i, h = 0, 3, 1
+    q = q.at[b, i, h, 2].set(jnp.nan)
+    grad = lambda attn: jax.jit(jax.grad(_loss(attn, n, True, 0.0), argnums=(0, 1, 2)))  # noqa: E731
+    ours = [np.asarray(g) for g in grad(jax_varlen.attention)(q, k, v)]
+    ref = [np.asarray(g) for g in grad(jax_varlen.reference)(q, k, v)]
+    nan_row = np.zeros(q.shape, bool)
+    nan_row[b, i, h] = True
+    assert np.isnan(ours[0][nan_row]).all() and np.isnan(ref[0][nan_row]).all()
+    np.testing.assert_allclose(ours[0][~nan_row], ref[0][~nan_row], atol=2e-5)
+    for name, a, r in zip("qkv", ours, ref):  # sequence 1 does not see sequence 0's NaN
+        np.testing.assert_allclose(a[1], r[1], atol=2e-5, err_msg=f"d{name}[1]")
+    # The real keys and values of sequence 0: what the reference gives, NaN for NaN (row i
+    # reaches the keys it attends to, and every key through 0 * NaN in d_k's product).
+    nb = lengths[b]
+    assert np.isnan(ours[1][b, :nb]).any() and np.isnan(ours[2][b, :nb]).any()
+    for name, a, r in zip("kv", ours[1:], ref[1:]):
+        np.testing.assert_allclose(a[b, :nb], r[b, :nb], atol=2e-5, err_msg=f"d{name}[0]")
+    for nb, d_k, d_v in zip(lengths, ours[1], ours[2]):
+        assert (d_k[nb:] == 0).all() and (d_v[nb:] == 0).all()
