@@ -178,7 +178,10 @@ def _backward(config, query, key, value, lengths, out, lse, d_out, d_lse):
         d_k = d_k + config.scale * jnp.einsum("bgrij,bigrd->bjgd", d_s, q_t, precision=_HIGHEST)
         return (d_k, d_v), d_q
 
-    init = (jnp.zeros((B, Skv, Hkv, D), f32), jnp.zeros((B, Skv, Hkv, Dv), f32))
+    init = tuple(
+        _varying_like(jnp.zeros(shape, f32), query, key, value, lengths, out, lse, d_out, d_lse)
+        for shape in ((B, Skv, Hkv, D), (B, Skv, Hkv, Dv))
+    )
     xs = (jnp.arange(blocks), q, do, o, lse_r, dlse_r)
     (d_k, d_v), d_q = jax.lax.scan(step, init, xs)  # d_q: [blocks, B, rows, Hkv, G, D]
     d_q = jnp.moveaxis(d_q, 0, 1).reshape(B, blocks * rows, H, D)[:, :Sq]
@@ -187,6 +190,18 @@ def _backward(config, query, key, value, lengths, out, lse, d_out, d_lse):
     d_k = jnp.where(valid[:, :, None, None], d_k, 0.0)
     d_v = jnp.where(valid[:, :, None, None], d_v, 0.0)
     return d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype)
+
+
+def _varying_like(x, *operands):
+    """``x`` typed as varying over every manual axis that some operand varies over. Inside
+    ``shard_map`` (with ``check_vma``) a scan's carry must keep its type from step to step, and
+    the steps mix in every operand; outside, and on a jax without these types, a no-op."""
+    try:
+        axes = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in operands))
+        missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
+    except AttributeError:
+        return x
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 # Second order: a gradient's own derivative differentiates the backward pass (through its

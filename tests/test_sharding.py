@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+import jax_varlen
 from jax_varlen._sharding_rule import ShardingRule
 
 ATTENTION = ShardingRule(
@@ -34,8 +35,11 @@ def test_multi_device_cases():
     flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env["XLA_FLAGS"] = flags.strip()
     env["JAX_PLATFORMS"] = "cpu"
-    # cwd = tests/: `python -m pytest` puts the cwd first on sys.path, and the repository
-    # root's jax_varlen/ (no compiled extension) would shadow the installed package.
+    # The subprocess imports the jax_varlen this process imported (a source tree finds its
+    # compiled extension in the installed copy), so both test the same code.
+    package_root = str(pathlib.Path(jax_varlen.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, "-m", "pytest", str(here / "multi_device_cases.py"), "-q",
            "-p", "no:cacheprovider", "-o", "addopts="]
     proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=1200)
