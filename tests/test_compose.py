@@ -128,6 +128,16 @@ def test_vjp_with_lse_cotangent_only():
     assert_grads_close(pullback(OURS)(q, k, ct), pullback(REF)(q, k, ct))
 
 
+def test_jacrev():
+    """jax.jacrev is vmap of the pullback: the backward pass under vmap."""
+    q, k, v, n = _inputs()
+
+    def make(attn):
+        return jax.jit(jax.jacrev(lambda k: jnp.sum(attn(q, k, v, n, **KW), axis=(2, 3))))
+
+    assert_grads_close(make(OURS)(k), make(REF)(k), what="jacobian")
+
+
 # --------------------------------------------------------------------------------------------
 # Rematerialization.
 

@@ -8,6 +8,7 @@ the very low-precision inputs gives the same-precision baseline.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -280,6 +281,24 @@ def test_nan_query_in_a_row_without_keys(path, causal):
     at = dict(b=1, i=0, j=0, h=1, d=0, e=0)
     check_nonfinite_rule("query-nan", dtype=DTYPES[dtype], is_causal=causal, at=at,
                          reaches=not causal, seed=43, **shape)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flatbuffers") is None, reason="needs flatbuffers")
+@pytest.mark.parametrize("Sq", [4, 70], ids=["split", "one-pass"])
+def test_export_with_symbolic_batch(Sq):
+    """One export serves every batch size on the GPU too (the split-KV workspace's size is an
+    expression in the batch), with the bits of a direct call."""
+    f = jax.jit(lambda q, k, v, n: jax_varlen.attention(q, k, v, n, is_causal=True,
+                                                        return_lse=True))
+    q, k, v, n = make_inputs(3, Sq, 1100, 8, 2, 64, 64, jnp.bfloat16, [1100, 5, 577], seed=44)
+    (b,) = jax.export.symbolic_shape("b")
+    specs = [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in (q, k, v, n)]
+    exp = jax.export.export(f, platforms=("cuda",),
+                            disabled_checks=jax_varlen.export_disabled_checks())(*specs)
+    call = jax.export.deserialize(exp.serialize()).call
+    for batch in (1, 3):
+        args = [x[:batch] for x in (q, k, v, n)]
+        assert jax.tree.map(bits, call(*args)) == jax.tree.map(bits, f(*args))
 
 
 # --------------------------------------------------------------------------------------------
