@@ -91,14 +91,28 @@ def _tangent_transpose(cotangents, query, key, value, lengths, out, lse, *d_in, 
 ad.primitive_transposes[attention_tangent_p] = _tangent_transpose
 
 
+def _tangent_batch(args, dims, *, config):
+    """Like the forward's rule: a vmapped axis folds into the batch axis, which leads every
+    operand and result ([N, B, ...] -> [N * B, ...]); unbatched operands are broadcast."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    folded = []
+    for a, d in zip(args, dims):
+        a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+        folded.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+    results = attention_tangent_p.bind(*folded, config=config)
+    return [r.reshape((size, -1) + r.shape[1:]) for r in results], [0, 0]
+
+
+batching.primitive_batchers[attention_tangent_p] = _tangent_batch
+
+
 def _forward_mode(*args, **kwargs):
     raise TypeError(FORWARD_MODE_MESSAGE)
 
 
-# Evaluating, compiling or vmapping the tangent map itself: forward mode.
+# Evaluating or compiling the tangent map itself is forward mode.
 attention_tangent_p.def_impl(_forward_mode)
 mlir.register_lowering(attention_tangent_p, _forward_mode)
-batching.primitive_batchers[attention_tangent_p] = _forward_mode
 
 
 # Query rows per step of the backward's scan: the [B, H, rows, Skv] fp32 intermediates stay

@@ -364,6 +364,34 @@ def test_linearize_alone_and_its_transpose_work():
     assert_grads_close(transposed(q, ct), ref(q, ct))
 
 
+def test_vmap_of_linearized_map_transposes():
+    """vmap of linearize's linear map, transposed: reverse mode through the tangent
+    primitive's batching rule (evaluating it would be forward mode)."""
+    q, k, v, n = _inputs()
+    cts = jnp.stack([_weights((B, SQ, H, D)), _weights((B, SQ, H, D), phase=1.0)])
+
+    @jax.jit
+    def transposed(q, cts):
+        _, f_jvp = jax.linearize(lambda q: _out(q, k, v, n), q)
+        return jax.linear_transpose(jax.vmap(f_jvp), jnp.stack([q, q]))(cts)[0]
+
+    ref = jax.jit(jax.vmap(lambda ct: jax.vjp(lambda q: REF(q, k, v, n, **KW), q)[1](ct)[0]))
+    assert_grads_close(transposed(q, cts), ref(cts))
+
+
+def test_grad_with_jvp_then_partial_eval_linearization():
+    """The older linearization path (jax_use_direct_linearize=False: JVP, then partial
+    evaluation) gives the same gradients."""
+    q, k, v, n = _inputs()
+    previous = jax.config.jax_use_direct_linearize
+    jax.config.update("jax_use_direct_linearize", False)
+    try:
+        grads = jax.jit(jax.grad(_loss(OURS), argnums=ARGNUMS))(q, k, v, n)
+    finally:
+        jax.config.update("jax_use_direct_linearize", previous)
+    assert_grads_close(grads, _reference_grads()[1])
+
+
 SECOND_ORDER_CASES = {
     "grad-of-grad": lambda q, k, v, n: jax.grad(
         lambda q: jnp.sum(jax.grad(lambda q: _scalar(q, k, v, n))(q)))(q),

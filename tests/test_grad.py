@@ -28,12 +28,18 @@ def _loss(fn, lengths, causal, softcap):
     return loss
 
 
+def _grad(attn, lengths, causal, softcap):
+    """Jitted (an eager backward runs op by op: seconds per call); test_eager_grad covers
+    the eager path."""
+    return jax.jit(jax.grad(_loss(attn, lengths, causal, softcap), argnums=(0, 1, 2)))
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_grad_matches_reference(case):
     Sq, Skv, H, Hkv, D, Dv, lengths, causal, softcap = case
     q, k, v, n = make_inputs(len(lengths), Sq, Skv, H, Hkv, D, Dv, jnp.float32, lengths, seed=5)
-    ours = jax.grad(_loss(jax_varlen.attention, n, causal, softcap), argnums=(0, 1, 2))(q, k, v)
-    ref = jax.grad(_loss(jax_varlen.reference, n, causal, softcap), argnums=(0, 1, 2))(q, k, v)
+    ours = _grad(jax_varlen.attention, n, causal, softcap)(q, k, v)
+    ref = _grad(jax_varlen.reference, n, causal, softcap)(q, k, v)
     for name, a, b in zip("qkv", ours, ref):
         a, b = np.asarray(a), np.asarray(b)
         assert np.isfinite(a).all(), f"d{name} has non-finite entries"
@@ -45,13 +51,22 @@ def test_grad_matches_reference(case):
 
 def test_grad_bf16_is_finite_and_close():
     q, k, v, n = make_inputs(2, 16, 24, 4, 2, 32, 32, jnp.bfloat16, [24, 9], seed=6)
-    ours = jax.grad(_loss(jax_varlen.attention, n, True, 0.0), argnums=(0, 1, 2))(q, k, v)
-    ref = jax.grad(_loss(jax_varlen.reference, n, True, 0.0), argnums=(0, 1, 2))(q, k, v)
+    ours = _grad(jax_varlen.attention, n, True, 0.0)(q, k, v)
+    ref = _grad(jax_varlen.reference, n, True, 0.0)(q, k, v)
     for a, b in zip(ours, ref):
         assert a.dtype == jnp.bfloat16
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.isfinite(a).all()
         assert np.abs(a - b).max() <= 3e-2 * max(1.0, np.abs(b).max())
+
+
+def test_eager_grad():
+    """Outside jit: the JVP rule, the transposition and the backward run op by op."""
+    q, k, v, n = make_inputs(2, 3, 5, 2, 1, 4, 4, jnp.float32, [5, 2], seed=12)
+    ours = jax.grad(_loss(jax_varlen.attention, n, True, 1.5), argnums=(0, 1, 2))(q, k, v)
+    ref = _grad(jax_varlen.reference, n, True, 1.5)(q, k, v)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
 
 
 def test_vmap_of_grad_and_jit():
@@ -60,7 +75,7 @@ def test_vmap_of_grad_and_jit():
     grad = jax.grad(lambda q, k, v, n: jnp.sum(jax_varlen.attention(q, k, v, n) ** 2))
     batched = jax.jit(jax.vmap(grad))(stack(q), stack(k), stack(v), stack(n))
     for i in range(2):
-        one = grad(stack(q)[i], stack(k)[i], stack(v)[i], stack(n)[i])
+        one = jax.jit(grad)(stack(q)[i], stack(k)[i], stack(v)[i], stack(n)[i])
         np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(one), rtol=1e-6, atol=1e-6)
 
 
@@ -84,8 +99,8 @@ def test_grad_in_several_row_blocks(monkeypatch, elements):
     monkeypatch.setattr(_autodiff, "_BWD_BLOCK_ELEMENTS", elements)
     rows = _autodiff._bwd_block_rows(B, H, Sq, Skv)
     assert rows < Sq and (elements == 64 or Sq % rows)  # several blocks; the padded case pads
-    ours = jax.grad(_loss(jax_varlen.attention, n, causal, softcap), argnums=(0, 1, 2))(q, k, v)
-    ref = jax.grad(_loss(jax_varlen.reference, n, causal, softcap), argnums=(0, 1, 2))(q, k, v)
+    ours = _grad(jax_varlen.attention, n, causal, softcap)(q, k, v)
+    ref = _grad(jax_varlen.reference, n, causal, softcap)(q, k, v)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * max(1.0, np.abs(b).max()))
 
