@@ -49,9 +49,10 @@ template <typename Elem> struct CutlassElem;
 template <> struct CutlassElem<__half> { using type = cutlass::half_t; };
 template <> struct CutlassElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
-// Keys per tile: the widest that fits shared memory (Q + 2 stages of K and V) and registers.
+// Keys per tile: the widest that fits shared memory (Q + 2 stages of K and V: 96, 208 and 224 KB)
+// and registers (S, P and O of 64 rows per consumer thread group).
 template <int kHeadDim>
-constexpr int default_block_n() { return kHeadDim <= 128 ? 128 : 80; }
+constexpr int default_block_n() { return kHeadDim <= 64 ? 128 : (kHeadDim <= 128 ? 176 : 80); }
 
 template <typename Element_, int kHeadDim_, int kBlockN_ = default_block_n<kHeadDim_>()>
 struct FwdTraits {
@@ -70,18 +71,18 @@ struct FwdTraits {
   // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
   // memory); larger ones keep their own order and read lengths from global memory.
   static constexpr int kMaxSortedBatch = 384;
-  // A last tile of at most kBlockN / 2 keys runs on half-width products when that half is a
-  // whole number of 16-key k-blocks.
-  static constexpr bool kHalfTiles = (kBlockN / 2) % 16 == 0;
+  // A last tile of at most kHalfN keys (the largest multiple of 16 <= kBlockN / 2) runs on
+  // narrower products: 64 of 128, 80 of 176, 32 of 80.
+  static constexpr int kHalfN = kBlockN / 2 / 16 * 16;
 
   using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S [M, N] = Q [M, D] K^T
   using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O [M, Dv] += P [M, N] V
   using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;  // warpgroups split M
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, TileQK>(), AtomLayout{}));
-  // S of a last tile of at most kBlockN / 2 keys: half-width products (see the consumer).
+  // S of a last tile of at most kHalfN keys (see the consumer).
   using TiledMmaQKHalf = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHalfN>, Int<kHeadDim>>>(),
       AtomLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
@@ -440,8 +441,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
   Tensor tSrQh = thr_qk_half.partition_fragment_A(sQ);
-  Tensor tSrKh = thr_qk_half.partition_fragment_B(  // the first kBlockN / 2 rows of each K stage
-      local_tile(sK, Shape<Int<kBlockN / 2>, Int<kHeadDim>, Int<kStages>>{}, make_coord(0, 0, 0)));
+  Tensor tSrKh = thr_qk_half.partition_fragment_B(  // the first kHalfN rows of each K stage
+      local_tile(sK, Shape<Int<Tr::kHalfN>, Int<kHeadDim>, Int<kStages>>{}, make_coord(0, 0, 0)));
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
   // (row, column) of this thread's accumulator elements, the same for S and O row-wise.
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -512,32 +513,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     Barrier::wait(&ss.full_q, q_iter & 1);
     ++q_iter;
     // The last tile t = n_tiles - 1 first (masked). When it is partial its V rows past key_end
-    // are zeroed before its P V. When it holds at most kBlockN / 2 keys it runs whole on
+    // are zeroed before its P V. When it holds at most kHalfN keys it runs whole on
     // half-width products, and the next tile starts the overlapped loop instead.
     int t = w.n_tiles - 1;
     const int last_rows = w.key_end - t * kBlockN;  // in (0, kBlockN]
-    const bool half = Tr::kHalfTiles && last_rows <= kBlockN / 2;
+    const bool half = last_rows <= Tr::kHalfN;
     // Short units also take turns for their first and last GEMMs, so that one warpgroup's
     // epilogue runs under the other's GEMMs; long units issue those two at once (measured
     // faster there). Both warpgroups see the same unit, so the turns stay paired.
     const bool edge_turns = w.n_tiles <= kShortUnitTiles;
     auto edge_wait = [&] { if (edge_turns) sched_wait(); };
     auto edge_pass = [&] { if (edge_turns) sched_pass(); };
-    if constexpr (Tr::kHalfTiles) if (half) {
-      Tensor tSrSh = partition_fragment_C(mma_qk_half, Shape<Int<kBlockM>, Int<kBlockN / 2>>{});
+    if (half) {
+      constexpr int kHalfNT = Tr::kHalfN / 8;
+      Tensor tSrSh = partition_fragment_C(mma_qk_half, Shape<Int<kBlockM>, Int<Tr::kHalfN>>{});
       Barrier::wait(&ss.full_k[stage], phase);
       edge_wait();
       wgmma_issue<true>(mma_qk_half, tSrQh, tSrKh(_, _, _, stage), tSrSh);
       edge_pass();
       warpgroup_wait<0>();
       release(&ss.empty_k[stage]);
-      softmax.template step<kNT / 2>(tSrSh.data(), true, masked_out_at(t * kBlockN), alpha);
+      softmax.template step<kHalfNT>(tSrSh.data(), true, masked_out_at(t * kBlockN), alpha);
       Tensor tOrPh = make_tensor_like<Element>(make_tensor(tSrSh.data(), acc_to_a_layout(tSrSh.layout())));
-      cutlass::NumericArrayConverter<Element, float, kNT * 2> convert;
-      *reinterpret_cast<cutlass::Array<Element, kNT * 2>*>(tOrPh.data()) =
-          convert(*reinterpret_cast<const cutlass::Array<float, kNT * 2>*>(tSrSh.data()));
+      cutlass::NumericArrayConverter<Element, float, kHalfNT * 4> convert;
+      *reinterpret_cast<cutlass::Array<Element, kHalfNT * 4>*>(tOrPh.data()) =
+          convert(*reinterpret_cast<const cutlass::Array<float, kHalfNT * 4>*>(tSrSh.data()));
       Barrier::wait(&ss.full_v[stage], phase);
-      zero_v_tail(stage, last_rows, kBlockN / 2);
+      zero_v_tail(stage, last_rows, Tr::kHalfN);
       edge_wait();
       wgmma_issue<true>(mma_pv, tOrPh, tOrV(_, _, _, stage), tOrO);  // the k-blocks of tOrPh only
       edge_pass();
