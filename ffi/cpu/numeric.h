@@ -52,11 +52,11 @@ template <> inline half_t from_float<half_t>(float f) {
   return half_t{uint16_t(sign | h)};
 }
 
-// exp(x) for x <= 0 (softmax numerators), about 2 ulp; 0 for x < -87.3 (and for -inf);
-// NaN for NaN (non-finite real data propagates). Branch-free arithmetic so that loops over it
+// exp(x) for x <= 0 (softmax numerators), about 2 ulp; 0 for x < -87.3 (and for -inf); NaN
+// for NaN (non-finite real data propagates). Branch-free arithmetic so that loops over it
 // vectorize; same bits on every run.
 inline float exp_nonpositive(float x) {
-  const float xc = x >= -87.3f ? x : -87.3f;  // NaN -> -87.3: the int conversion stays defined
+  const float xc = x < -87.3f ? -87.3f : x;  // NaN stays NaN
   const float t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
   const float n = t - 12582912.0f;
   const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite: xc - n ln 2
@@ -67,9 +67,12 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t e = int32_t(n) + 127;  // n in [-126, 0]: a normal power of two
-  const float result = p * bits_float(uint32_t(e) << 23);
-  return x < -87.3f ? 0.0f : (x == x ? result : x);
+  // 2^n from t's bits: t = 1.5 * 2^23 + n (n in [-126, 0]) has the bits 0x4B400000 + n, so no
+  // float-to-int conversion (undefined for NaN) is needed; for NaN, p is NaN and so is the
+  // product, whatever these bits are.
+  const uint32_t pow2n = (float_bits(t) - 0x4B400000u + 127u) << 23;
+  const float result = p * bits_float(pow2n);
+  return x < -87.3f ? 0.0f : result;
 }
 
 }  // namespace jax_varlen::cpu
