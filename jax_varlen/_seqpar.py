@@ -79,7 +79,8 @@ def sequence_parallel_attention(
 
     Gives the result of ``attention(query, key, value, nonpad_kv_seqlen, ...)`` on one device
     (up to one extra rounding of f16/bf16 partial outputs before the float32 merge), with each
-    device of ``axis_name`` holding and reading only its slice of the KV cache.
+    device of ``axis_name`` holding and reading only its slice of the KV cache. Gradients
+    (first-order reverse mode) flow through each slice's call, the all-gather and the merge.
 
     Args:
       query: ``[B, Sq, H, D]`` or ``[B, Sq, H*D]``; replicated along ``axis_name``.

@@ -316,6 +316,18 @@ def test_export_of_jitted_grad_with_symbolic_batch():
         assert jax.tree.map(bits, restored.call(*args)) == jax.tree.map(bits, grad(*args))
 
 
+def test_checkify_of_grad_reports_bad_lengths():
+    from jax.experimental import checkify
+
+    q, k, v, _ = _inputs()
+    f = jax.jit(checkify.checkify(jax.grad(_loss(OURS), argnums=ARGNUMS)))
+    err, grads = f(q, k, v, jnp.asarray(LENGTHS, jnp.int32))
+    assert err.get() is None
+    assert_grads_close(grads, _reference_grads()[1])
+    err, _ = f(q, k, v, jnp.asarray([SKV + 1, 3], jnp.int32))
+    assert "nonpad_kv_seqlen must lie in [0, Skv=7]" in err.get()
+
+
 # --------------------------------------------------------------------------------------------
 # Unsupported: forward mode and second order fail with our messages.
 
