@@ -63,19 +63,6 @@ inline ffi::ErrorOr<AttentionParams> make_params(
   p.seqlen_k = kd[1];
   p.kv_num_heads = kd[2];
   p.head_dim_v = vd[3];
-  // Dense row-major layouts (the last dim contiguous); cu_seqlens stay null (padded batch).
-  p.q_head_stride = p.head_dim;
-  p.q_row_stride = p.num_heads * p.q_head_stride;
-  p.q_batch_stride = p.seqlen_q * p.q_row_stride;
-  p.k_head_stride = p.head_dim;
-  p.k_row_stride = p.kv_num_heads * p.k_head_stride;
-  p.k_batch_stride = p.seqlen_k * p.k_row_stride;
-  p.v_head_stride = p.head_dim_v;
-  p.v_row_stride = p.kv_num_heads * p.v_head_stride;
-  p.v_batch_stride = p.seqlen_k * p.v_row_stride;
-  p.out_head_stride = p.head_dim_v;
-  p.out_row_stride = p.num_heads * p.out_head_stride;
-  p.out_batch_stride = p.seqlen_q * p.out_row_stride;
   p.scale = scale;
   p.softcap = softcap;
   p.is_causal = is_causal;

@@ -1,19 +1,21 @@
 // One plain struct that describes a forward attention problem, shared by every handler
-// (CPU and CUDA) and every kernel. Handlers fill it once from the XLA buffers; kernels read it
-// (per sequence through SeqlenInfo, seqlen.h). mask.h comes along: every kernel that reads the
-// params needs the mask predicate too.
+// (CPU and CUDA) and every kernel. Handlers fill it once from the XLA buffers; kernels read it.
 #pragma once
 
 #include <cstdint>
 
-#include "mask.h"
+#if defined(__CUDACC__)
+#define JV_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define JV_HOST_DEVICE inline
+#endif
 
 namespace jax_varlen {
 
 enum class DType : int { kF32, kF16, kBF16 };
 
 struct AttentionParams {
-  // Inputs. The last dim is contiguous; the others are given by the element strides below.
+  // Inputs, dense and row-major (the layout XLA hands the custom call):
   const void* q;                    // [batch, seqlen_q, num_heads, head_dim]
   const void* k;                    // [batch, seqlen_k, kv_num_heads, head_dim]
   const void* v;                    // [batch, seqlen_k, kv_num_heads, head_dim_v]
@@ -22,26 +24,9 @@ struct AttentionParams {
   void* out;   // [batch, seqlen_q, num_heads, head_dim_v], dtype of q
   float* lse;  // [batch, num_heads, seqlen_q], natural log; -inf where no key is allowed
 
-  // Element strides of (batch, row, head). Kernels that walk rows address row r of sequence b
-  // as (SeqlenInfo::q_offset + r) * row_stride, so the tensors are read as stacks of rows
-  // ([batch * seqlen, heads, dim]); the batch stride is for consumers that need the 4-D view
-  // (TMA descriptors). make_params fills the dense layout: batch = seqlen * row, row = heads *
-  // head, head = dim. A packed front door sets batch strides to 0 (one stack of rows).
-  int64_t q_batch_stride, q_row_stride, q_head_stride;
-  int64_t k_batch_stride, k_row_stride, k_head_stride;
-  int64_t v_batch_stride, v_row_stride, v_head_stride;
-  int64_t out_batch_stride, out_row_stride, out_head_stride;
-
-  // Packed layout: [batch + 1] cumulative row offsets, starting at 0; sequence b owns query rows
-  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]).
-  // nullptr (today): sequence b owns rows [b * seqlen_q, (b + 1) * seqlen_q) and
-  // [b * seqlen_k, (b + 1) * seqlen_k). See SeqlenInfo.
-  const int32_t* cu_seqlens_q;
-  const int32_t* cu_seqlens_k;
-
   DType dtype;
   int64_t batch;
-  int64_t seqlen_q;  // Sq: padded query extent (packed: the longest sequence's query rows)
+  int64_t seqlen_q;  // Sq: padded query extent
   int64_t seqlen_k;  // Skv: padded key extent
   int64_t num_heads;
   int64_t kv_num_heads;  // divides num_heads; query head h reads kv head h / (num_heads / kv_num_heads)
@@ -54,7 +39,6 @@ struct AttentionParams {
   // split_keys = 0 selects the one-pass kernels. Layout, rows_pad = ceil(seqlen_q * group / 16) * 16:
   //   o_part   [batch, kv_num_heads, max_splits, rows_pad, head_dim_v] fp32
   //   lse_part [batch, kv_num_heads, max_splits, rows_pad] fp32, right after o_part
-  // (sizes and indices: cuda/common/split_layout.h).
   float* workspace;
   int64_t split_keys;
 
@@ -62,5 +46,20 @@ struct AttentionParams {
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)
   bool is_causal;  // tail-aligned: key j allowed for query i iff j <= i + n - seqlen_q
 };
+
+// Clamp a (possibly invalid, traced) length into [0, seqlen_k]: memory past the buffers is
+// never read, whatever the caller passed.
+JV_HOST_DEVICE int64_t clamp_seqlen(int64_t n, int64_t seqlen_k) {
+  return n < 0 ? 0 : (n > seqlen_k ? seqlen_k : n);
+}
+
+// Number of keys query row i may attend to, given n valid keys: keys [0, limit) are allowed.
+// Worked example, tail-aligned causal, seqlen_q = 4, n = 6: rows 0..3 see 3, 4, 5, 6 keys;
+// with n = 2: rows 0..3 see -1 -> 0, 0, 1, 2 keys (the leading two rows are all-zero).
+JV_HOST_DEVICE int64_t allowed_keys(int64_t i, int64_t n, int64_t seqlen_q, bool is_causal) {
+  if (!is_causal) return n;
+  int64_t limit = i + n - seqlen_q + 1;
+  return limit < 0 ? 0 : (limit > n ? n : limit);
+}
 
 }  // namespace jax_varlen

@@ -1,38 +1,33 @@
-// Entry points of the CUDA kernels, by architecture. Each (path, dtype, head-dim bucket) is one
-// instantiation in a one-line .cu file that CMake generates (cmake/cuda.cmake), so they compile
-// in parallel; dispatch.cu holds the one table that chooses among them.
+// Entry points of the CUDA kernels, one instantiation per (dtype, head-dim bucket); each lives
+// in a one-line .cu file that CMake generates (cmake/cuda.cmake), so they compile in parallel.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "cuda/limits.h"
 #include "params.h"
 
 namespace jax_varlen::cuda {
 
-namespace sm80 {
-// mma.sync/ldmatrix/cp.async kernels (sm_80+), Elem __half or __nv_bfloat16, kHeadDim a bucket
-// (limits.h). One pass over the keys:
+// Head-dim buckets of the tensor-core kernel: max(D, Dv) rounds up to one of these.
+constexpr int kHeadDimBuckets[] = {64, 128, 256};
+
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_tc(const AttentionParams& p, cudaStream_t stream);
+
 // Split-KV decode path (p.split_keys > 0): partials into p.workspace, then a merge kernel.
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream);
-// Portable SIMT kernel (any sm, Elem float, __half or __nv_bfloat16, any head size up to
-// kMaxHeadDim): exact fp32, odd head sizes, unaligned buffers.
+
 template <typename Elem>
 cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream);
-}  // namespace sm80
 
 namespace sm90 {
-// Hopper one-pass path (sm_90a only, ffi/cuda/sm90/), Elem __half or __nv_bfloat16, kHeadDim a
-// bucket, and whether it takes a call that the sm80 one-pass kernel would take. Defined by the
-// sm90 object library; dispatch.cu gains its table row and branch when that library is built.
+// Hopper path (sm_90a only, ffi/cuda/sm90/): TMA + wgmma, warp-specialized, persistent. Built
+// when CMake finds the CUTLASS headers and sm_90a is among the targets (JAX_VARLEN_WITH_SM90).
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream);
-bool can_run_fwd_sm90(const AttentionParams& p);
 }  // namespace sm90
 
 // Picks the kernel for p on the current device and launches it on stream.

@@ -1,5 +1,4 @@
-// Thin wrappers over the PTX of the sm80 tensor-core kernels (sm_80+): cp.async, ldmatrix,
-// mma.sync, and the packing of fp32 pairs into 16-bit MMA operands.
+// Thin wrappers over the PTX the tensor-core kernel needs (sm_80+): cp.async, ldmatrix, mma.sync.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,7 +6,7 @@
 
 #include <cstdint>
 
-namespace jax_varlen::cuda::sm80 {
+namespace jax_varlen::cuda {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -70,4 +69,4 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float x, float y) 
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-}  // namespace jax_varlen::cuda::sm80
+}  // namespace jax_varlen::cuda
