@@ -1,15 +1,21 @@
 """Times jax_varlen.attention against jax.nn.dot_product_attention (cudnn, xla) and, when it is
-importable, FlashAttention-3's JAX binding (flash-attn3-jax, impl "fa3") on named shapes.
+importable, FlashAttention-3's JAX binding (flash-attn3-jax, impl "fa3") on named shapes:
+the forward ("fwd"), and a training step ("train": forward + backward of sum(out * dO) through
+jax.vjp) with the backward alone ("bwd").
 
 On a GPU machine:   python3 benchmarks/bench.py [--shapes d128-full,...] [--decode] [--quick]
-CPU smoke test:     JAX_PLATFORMS=cpu python benchmarks/bench.py --cpu-smoke --impls xla
+                    python3 benchmarks/bench.py --passes train      # train + bwd records
+CPU smoke test:     JAX_PLATFORMS=cpu python benchmarks/bench.py --cpu-smoke --passes both
 
 Every impl sees the same inputs (finite, N(0, 1), padding included). Results go to
-<out>/<YYYY-MM-DD>-<device>-<tag>.json (records in shapes.json's `result_record` format) and .md.
+<out>/<YYYY-MM-DD>-<device>-<tag>.json (records in shapes.json's `result_record` format), .md
+(a summary against the issues' targets, then every record) and .png (when matplotlib is
+there); all three are rewritten after every shape, so a run cut short keeps what finished.
 """
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import math
@@ -17,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -31,18 +38,43 @@ FA3 = "fa3"  # flash-attn3-jax: flash_mha_varlen with seqused_k = our lengths (b
 SMOKE_DIV = 32  # --cpu-smoke divides Sq, Skv and lengths by this and keeps B <= 2
 L2_BYTES = 50 << 20  # H200 L2; inputs below 4x this are rotated among 3 sets
 CHECK_SEQS = 2  # sequences compared against the fp32 reference
+# Training records (issue 12): these shapes, these impls (XLA's padded backward is not a peer).
+TRAIN_SHAPES = ("d128-full", "d128-skewed", "d128-causal-full", "d128-causal-skewed",
+                "d64-full", "d64-skewed")
+TRAIN_IMPLS = "jax_varlen,cudnn,fa3"
+EXTRA_DTYPES = "float16:d128-full,d128-skewed"  # forward only (issue 11)
+# (repeats, seconds per repeat): forward, forward --quick, train/bwd, train/bwd --quick
+TIMING = {"fwd": (7, 0.3), "fwd-quick": (3, 0.05), "train": (3, 0.2), "train-quick": (2, 0.05)}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", help="comma-separated names from shapes.json "
-                   "(default: all non-decode shapes; --decode adds decode shapes)")
+    p.add_argument("--shapes", help="comma-separated names from shapes.json (default: all "
+                   "non-decode shapes, --decode adds decode shapes; for --passes train, "
+                   "--train-shapes)")
     p.add_argument("--decode", action="store_true", help="include decode shapes (Sq == 1)")
-    p.add_argument("--impls", default="jax_varlen,cudnn,fa3,xla")
+    p.add_argument("--passes", choices=("fwd", "train", "both"), default="fwd",
+                   help="fwd: forward records; train: train + bwd records; both (default fwd)")
+    p.add_argument("--impls", default="jax_varlen,cudnn,fa3,xla", help="forward impls")
+    p.add_argument("--train-impls", default=TRAIN_IMPLS, help="train/bwd impls")
+    p.add_argument("--train-shapes", default=",".join(TRAIN_SHAPES),
+                   help="train/bwd shapes when --shapes is not given")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--extra-dtype", action="append", metavar="DTYPE:SHAPES",
+                   help="forward records in another dtype for those of the selected shapes, "
+                   f"repeatable (default {EXTRA_DTYPES}; 'none' for none)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--tag", default="fwd", help="file-name suffix")
+    p.add_argument("--tag", help="file-name suffix (default: fwd, train or fwd-train)")
     p.add_argument("--quick", action="store_true", help="fewer repeats, shorter timing loops")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="stop starting new measurements after this many seconds and record "
+                   "the rest as skipped (0: no limit); results are written after every shape")
+    p.add_argument("--step-budget-s", type=float, default=20.0,
+                   help="bound on the timing loop of one train/bwd measurement (seconds): "
+                   "fewer repeats and iterations for a slow step")
+    p.add_argument("--fa3-splits", default="1,2,4,8,16",
+                   help="decode shapes: FA3's num_splits values tried; the fastest is recorded")
+    p.add_argument("--no-plot", action="store_true", help="do not write the .png")
     p.add_argument("--cpu-smoke", action="store_true",
                    help=f"shrink shapes (/{SMOKE_DIV}, B <= 2) and skip cudnn, to test on CPU")
     p.add_argument("--seed", type=int, default=0)
@@ -64,6 +96,19 @@ def select_shapes(all_shapes, names, decode):
             sys.exit(f"unknown shapes {unknown}; known: {list(all_shapes)}")
         return {n: all_shapes[n] for n in names.split(",")}
     return {n: s for n, s in all_shapes.items() if decode or s["Sq"] != 1}
+
+
+def parse_extra_dtypes(values, selected):
+    """['float16:d128-full,d128-skewed'] -> [('float16', ['d128-full', 'd128-skewed'])], keeping
+    only selected shapes; None -> the default; 'none' -> []."""
+    out = []
+    for value in values if values is not None else [EXTRA_DTYPES]:
+        if value.lower() in ("", "none"):
+            continue
+        dtype, _, names = value.partition(":")
+        jnp.dtype(dtype)  # fails early on a typo
+        out.append((dtype, [n for n in names.split(",") if n in selected]))
+    return out
 
 
 def shrink(shape):
@@ -95,6 +140,12 @@ def make_inputs(shape, dtype, seed, index):
     return jax.block_until_ready((q, k, v, lengths))
 
 
+def make_dout(shape, dtype, seed, index):
+    """The output cotangent dO [B, Sq, H, Dv] of input set `index` (its own random stream)."""
+    key = jax.random.fold_in(jax.random.key(seed), 1000 + index)
+    return jax.random.normal(key, (shape["B"], shape["Sq"], shape["H"], shape["Dv"]), dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementations: name -> (fn(q, k, v, lengths, *, scale, is_causal), causal mask alignment)
 
@@ -112,18 +163,62 @@ def import_jax_varlen():
         return None, f"import jax_varlen: {type(e).__name__}: {e}"
 
 
-def fa3_fn():
-    """FlashAttention-3's varlen forward on our padded layout, or (None, error) without it: the
-    rectangle is flattened to [B*S, heads, dim] with cu_seqlens = b * S and seqused_k = lengths,
-    which is the same computation (its causal mask is bottom-right, like ours)."""
+FA3_EINOPS_STUB = False  # set when flash_attn3_jax was imported over a stand-in einops
+
+
+def import_fa3():
+    """flash_attn3_jax. Its package __init__ imports einops (used only by flash_mha's
+    sequence-sharded path, never by flash_mha_varlen or flash_mha_with_kvcache); the device
+    image installs the wheel with --no-deps, so without einops a stand-in that raises on use
+    is put in its place."""
+    global FA3_EINOPS_STUB
     try:
-        from flash_attn3_jax import flash_mha_varlen
+        import flash_attn3_jax
+    except ModuleNotFoundError as e:
+        if e.name != "einops":
+            raise
+        stub = types.ModuleType("einops")
+
+        def rearrange(*args, **kwargs):
+            raise ImportError("einops is not installed (bench.py's stand-in)")
+        stub.rearrange = rearrange
+        sys.modules["einops"] = stub
+        FA3_EINOPS_STUB = True
+        import flash_attn3_jax
+    return flash_attn3_jax
+
+
+def fa3_default_splits(batch, heads, skv, sms=132):
+    """num_splits for FA3's KV-cache kernel when none is given (decode_sweep.py): one split
+    when B x H blocks fill the SMs, else enough splits for about two waves, each split at
+    least 256 keys."""
+    blocks = batch * heads
+    if blocks >= 0.8 * sms:
+        return 1
+    return max(1, min(128, skv // 256, -(-2 * sms // blocks)))
+
+
+def fa3_fn():
+    """FlashAttention-3 on our padded layout, or (None, error) without it. Sq > 1: the varlen
+    forward, the rectangle flattened to [B*S, heads, dim] with cu_seqlens = b * S and
+    seqused_k = lengths, which is the same computation (its causal mask is bottom-right, like
+    ours) and has a backward (a custom_vjp). Sq == 1: the KV-cache kernel with cache_seqlens =
+    lengths and `num_splits` (forward only)."""
+    try:
+        fa3 = import_fa3()
+        flash_mha_varlen = fa3.flash_mha_varlen
+        flash_mha_with_kvcache = fa3.flash_mha_with_kvcache
     except Exception as e:  # noqa: BLE001 - optional peer
         return None, f"import flash_attn3_jax: {type(e).__name__}: {e}"
 
-    def fn(q, k, v, n, *, scale, is_causal):
+    def fn(q, k, v, n, *, scale, is_causal, num_splits=None):
         b, sq, h, d = q.shape
         skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+        n = n.astype(jnp.int32)
+        if sq == 1 and d == dv:
+            splits = num_splits or fa3_default_splits(b, h, skv)
+            return flash_mha_with_kvcache(q, k, v, cache_seqlens=n, softmax_scale=float(scale),
+                                          is_causal=is_causal, num_splits=splits)
         cu_q = jnp.arange(b + 1, dtype=jnp.int32) * sq
         cu_k = jnp.arange(b + 1, dtype=jnp.int32) * skv
         out = flash_mha_varlen(q.reshape(b * sq, h, d), k.reshape(b * skv, hkv, d),
@@ -135,6 +230,8 @@ def fa3_fn():
 
 
 def build_impls(names, jax_varlen, import_errors):
+    """{name: (fn, mask alignment)} for the importable ones; import failures go to
+    import_errors[name] (recorded as errors, the run goes on)."""
     impls = {}
     for name in names:
         if name == report.OURS:
@@ -160,36 +257,58 @@ def build_impls(names, jax_varlen, import_errors):
 # ---------------------------------------------------------------------------------------------
 # Timing and checking
 
-def time_ms(fn, input_sets, repeats, target_s):
+def time_ms(fn, input_sets, repeats, target_s, budget_s=None):
     """Median over `repeats` of (elapsed / n_iter) for n_iter calls issued back to back and
-    synchronized once at the end, cycling through input_sets. fn is compiled and warm."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*input_sets[0]))
+    synchronized once at the end, cycling through input_sets. fn is compiled and warm.
+    budget_s bounds the timing loop (repeats and n_iter shrink for a slow fn, to 1 and 1)."""
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*input_sets[1 % len(input_sets)]))
+    jax.block_until_ready(fn(*input_sets[0]))
     one = time.perf_counter() - t0
+    if budget_s is None or 4 * one <= budget_s:
+        jax.block_until_ready(fn(*input_sets[0]))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*input_sets[1 % len(input_sets)]))
+        one = time.perf_counter() - t0
     n_iter = max(3, min(1000, math.ceil(target_s / max(one, 1e-6))))
+    if budget_s is not None:
+        repeats = max(1, min(repeats, int(budget_s // (3 * max(one, 1e-6)))))
+        n_iter = max(1, min(n_iter, int(budget_s // (repeats * max(one, 1e-6)))))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for i in range(n_iter):
             out = fn(*input_sets[i % len(input_sets)])
-        out.block_until_ready()  # one stream: the last call finishing means all have
+        jax.block_until_ready(out)  # one stream: the last call finishing means all have
         times.append((time.perf_counter() - t0) / n_iter)
     return 1e3 * statistics.median(times)
 
 
-def check(out, ref, has_key, lengths, seqlen_q, align, is_causal):
-    """Compares `out` on the first CHECK_SEQS sequences where the impl's mask equals ours
-    (a top-left causal mask equals the tail-aligned one only when n_b == Sq)."""
-    seqs = [b for b, n in enumerate(lengths[:CHECK_SEQS])
+def checked_seqs(lengths, seqlen_q, align, is_causal):
+    """The first CHECK_SEQS sequences where the impl's mask equals ours (a top-left causal mask
+    equals the tail-aligned one only when n_b == Sq)."""
+    return [b for b, n in enumerate(lengths[:CHECK_SEQS])
             if align == metrics.TAIL or not is_causal or n == seqlen_q]
-    err = metrics.max_abs_err(out, ref, has_key, seqs)
+
+
+def _verdict(err, tol):
     if err is None:
         return {"max_err": None, "check": "skipped (masks differ)"}
     if math.isnan(err):
         return {"max_err": None, "check": "non-finite output"}
-    return {"max_err": err, "check": "ok" if err <= metrics.MAX_ERR_TOL else "MISMATCH"}
+    return {"max_err": err, "check": "ok" if err <= tol else "MISMATCH"}
+
+
+def check(out, ref, has_key, lengths, seqlen_q, align, is_causal):
+    """Max abs error of `out` against the fp32 reference on the checked sequences."""
+    seqs = checked_seqs(lengths, seqlen_q, align, is_causal)
+    return _verdict(metrics.max_abs_err(out, ref, has_key, seqs), metrics.MAX_ERR_TOL)
+
+
+def check_grads(grads, ref_grads, has_key, lengths, seqlen_q, align, is_causal):
+    """Worst relative error of (dq, dk, dv) against the fp32 reference's gradients."""
+    seqs = checked_seqs(lengths, seqlen_q, align, is_causal)
+    err = metrics.max_rel_grad_err(grads, ref_grads, has_key, lengths, seqs)
+    return _verdict(err, metrics.GRAD_REL_TOL)
 
 
 def error_string(e):
@@ -197,14 +316,33 @@ def error_string(e):
 
 
 def new_record(base, shape_name, impl, **extra):
-    """A `result_record` of shapes.json, keys in its order; ms/eff_* are filled after timing."""
+    """A `result_record` of shapes.json, keys in its order; ms/eff_* are filled after timing.
+    extra may override "pass" and "dtype"."""
     return {"shape": shape_name, "impl": impl, "pass": "fwd", "dtype": base["dtype"], "ms": None,
             "eff_tflops": None, "eff_tbps": None, **base, **extra}
 
 
-def run_shape(name, shape, impls, import_errors, args, base_record):
-    """Checks and times every impl on one shape; returns its records."""
-    dtype = jnp.dtype(args.dtype)
+class Clock:
+    """The run's time budget (--budget-s; 0 is none)."""
+
+    def __init__(self, budget_s):
+        self.budget_s = budget_s
+        self.deadline = time.monotonic() + budget_s if budget_s > 0 else math.inf
+
+    def spent(self):
+        return time.monotonic() > self.deadline
+
+    def skip_reason(self):
+        return f"time budget ({self.budget_s:.0f} s) spent"
+
+
+def run_fwd(name, shape, dtype, impls, import_errors, args, base_record, clock):
+    """Checks and times every impl's forward on one shape in one dtype; returns its records."""
+    dtype = jnp.dtype(dtype)
+    tags = {"dtype": dtype.name, "pass": "fwd"}
+    if clock.spent():
+        return [new_record(base_record, name, impl, skipped=clock.skip_reason(), **tags)
+                for impl in [*import_errors, *impls]]
     decode = shape["Sq"] == 1
     n_sets = 3 if input_bytes(shape, dtype.itemsize) < 4 * L2_BYTES else 1
     sets = [make_inputs(shape, dtype, args.seed, i) for i in range(n_sets)]
@@ -213,27 +351,47 @@ def run_shape(name, shape, impls, import_errors, args, base_record):
     if not decode:  # fp32 reference on the first sequences, tail-aligned causal
         q, k, v, lengths = (x[:CHECK_SEQS] for x in sets[0])
         ref = metrics.reference(q, k, v, lengths, scale=scale, is_causal=shape["causal"])
-    repeats, target_s = (3, 0.05) if args.quick else (7, 0.3)
+    repeats, target_s = TIMING["fwd-quick" if args.quick else "fwd"]
     nbytes = metrics.bytes_moved(shape, dtype.itemsize)
 
-    records = [new_record(base_record, name, impl, error=err)
+    records = [new_record(base_record, name, impl, error=err, **tags)
                for impl, err in import_errors.items()]
     for rec in records:
         print(progress_line(rec), flush=True)
     for impl, (fn, align) in impls.items():
-        rec = new_record(base_record, name, impl)
-        jitted = jax.jit(lambda q, k, v, n, fn=fn: fn(q, k, v, n, scale=scale,
-                                                      is_causal=shape["causal"]))
-        try:
-            out = jax.block_until_ready(jitted(*sets[0]))
-            if ref is not None:
-                rec.update(check(out, *ref, shape["lengths"], shape["Sq"], align,
-                                 shape["causal"]))
-            del out
-            ms = time_ms(jitted, sets, repeats, target_s)
-        except Exception as e:  # noqa: BLE001 - e.g. cudnn rejecting a shape; keep going
-            rec["error"] = error_string(e)
-        else:
+        rec = new_record(base_record, name, impl, **tags)
+        if clock.spent():
+            rec["skipped"] = clock.skip_reason()
+            records.append(rec)
+            print(progress_line(rec), flush=True)
+            continue
+        variants = {None: fn}
+        if impl == FA3 and decode:  # the brief's FA3 decode numbers: best num_splits
+            variants = {int(s): functools.partial(fn, num_splits=int(s))
+                        for s in args.fa3_splits.split(",")}
+        timed = {}
+        for key, vfn in variants.items():
+            jitted = jax.jit(lambda q, k, v, n, fn=vfn: fn(q, k, v, n, scale=scale,
+                                                           is_causal=shape["causal"]))
+            try:
+                out = jax.block_until_ready(jitted(*sets[0]))
+                if ref is not None:
+                    rec.update(check(out, *ref, shape["lengths"], shape["Sq"], align,
+                                     shape["causal"]))
+                del out
+                timed[key] = time_ms(jitted, sets, repeats, target_s)
+            except Exception as e:  # noqa: BLE001 - e.g. cudnn rejecting a shape; keep going
+                timed[key] = None
+                rec["error"] = error_string(e)
+        ok = {key: ms for key, ms in timed.items() if ms is not None}
+        if len(variants) > 1:
+            rec["variants_ms"] = {str(key): ms for key, ms in timed.items()}
+        if ok:
+            best = min(ok, key=ok.get)
+            ms = ok[best]
+            rec.pop("error", None)
+            if best is not None:
+                rec["fa3_num_splits"] = best
             rec.update(ms=ms, eff_tflops=metrics.flops(shape, align) / (ms * 1e-3) / 1e12,
                        eff_tbps=nbytes / (ms * 1e-3) / 1e12)
         records.append(rec)
@@ -241,11 +399,96 @@ def run_shape(name, shape, impls, import_errors, args, base_record):
     return records
 
 
+def backward_alone(vjp_fns, douts):
+    """The backward alone: (jitted fn, input sets) with fn(residuals, dO) = vjp_fn(dO), one set
+    per (jax.vjp function, dO). The vjp functions are pytrees of their residuals; they are
+    flattened once here, so a call hashes only the residual arrays (their structure, which
+    holds the backward's jaxpr, is a constant of the jitted function)."""
+    flat = [jax.tree_util.tree_flatten(f) for f in vjp_fns]
+    treedef = flat[0][1]
+    flat = [f for f in flat if f[1] == treedef]  # the same structure, or the first set only
+    fn = jax.jit(lambda leaves, dout: jax.tree_util.tree_unflatten(treedef, leaves)(dout))
+    return fn, [(leaves, do) for (leaves, _), do in zip(flat, douts)]
+
+
+def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock):
+    """Per impl, a training step ("train": forward + backward of sum(out * dO) through jax.vjp,
+    3.5x the forward's FLOPs) and the backward alone ("bwd": the vjp function applied to dO,
+    2.5x), each checked against the fp32 reference's gradients on the first sequences and
+    timed within --step-budget-s. Returns the records."""
+    dtype = jnp.dtype(dtype)
+    passes = ("train", "bwd")
+    order = [*import_errors, *impls]
+    if clock.spent():
+        return [new_record(base_record, name, impl, skipped=clock.skip_reason(),
+                           dtype=dtype.name, **{"pass": p}) for impl in order for p in passes]
+    n_sets = 3 if input_bytes(shape, dtype.itemsize) < 4 * L2_BYTES else 1
+    sets = [(*make_inputs(shape, dtype, args.seed, i), make_dout(shape, dtype, args.seed, i))
+            for i in range(n_sets)]
+    scale = 1.0 / math.sqrt(shape["D"])
+    causal = shape["causal"]
+    q, k, v, lengths, dout = (x[:CHECK_SEQS] for x in sets[0])
+    ref_grads, has_key = metrics.reference_grads(q, k, v, lengths, dout, scale=scale,
+                                                 is_causal=causal)
+    repeats, target_s = TIMING["train-quick" if args.quick else "train"]
+    budget = args.step_budget_s
+
+    records = []
+    for impl, err in import_errors.items():
+        for p in passes:
+            records.append(new_record(base_record, name, impl, error=err, dtype=dtype.name,
+                                      **{"pass": p}))
+            print(progress_line(records[-1]), flush=True)
+    for impl, (fn, align) in impls.items():
+        fwd = jax.jit(lambda q, k, v, n, fn=fn: fn(q, k, v, n, scale=scale, is_causal=causal))
+
+        def step(q, k, v, n, dout, fwd=fwd):
+            _, vjp_fn = jax.vjp(lambda q, k, v: fwd(q, k, v, n), q, k, v)
+            return vjp_fn(dout)
+        train = jax.jit(step)
+
+        # One compiled forward returning the vjp function (a pytree: residual arrays plus a
+        # structure holding the backward), so every input set's has the same structure.
+        make_vjp = jax.jit(lambda q, k, v, n, fwd=fwd:
+                           jax.vjp(lambda q, k, v: fwd(q, k, v, n), q, k, v)[1])
+
+        def bwd_inputs(make_vjp=make_vjp):
+            """backward_alone() of every input set: the forward runs here, outside the
+            timing."""
+            vjp_fns = [make_vjp(q, k, v, n) for q, k, v, n, _ in sets]
+            return backward_alone(vjp_fns, [s[4] for s in sets])
+
+        for p in passes:
+            rec = new_record(base_record, name, impl, dtype=dtype.name, **{"pass": p})
+            if clock.spent():
+                rec["skipped"] = clock.skip_reason()
+            else:
+                try:
+                    fn_p, sets_p = (train, sets) if p == "train" else bwd_inputs()
+                    grads = jax.block_until_ready(fn_p(*sets_p[0]))
+                    rec.update(check_grads(grads, ref_grads, has_key, shape["lengths"],
+                                           shape["Sq"], align, causal))
+                    del grads
+                    ms = time_ms(fn_p, sets_p, repeats, target_s, budget_s=budget)
+                except Exception as e:  # noqa: BLE001 - e.g. no backward for a peer
+                    rec["error"] = error_string(e)
+                else:
+                    work = metrics.flops(shape, align, p)
+                    rec.update(ms=ms, eff_tflops=work / (ms * 1e-3) / 1e12,
+                               input_sets=len(sets_p))
+            records.append(rec)
+            print(progress_line(rec), flush=True)
+    return records
+
+
 def progress_line(rec):
-    """'  d128-full   cudnn   12.345 ms  max_err 3.91e-03 ok' (or the error's first line)."""
-    parts = [f"  {rec['shape']:26s} {rec['impl']:11s}",
+    """'  d128-full  bf16 fwd    cudnn   12.345 ms  max_err 3.91e-03 ok' (or the error)."""
+    dtype = report._short_dtype(rec.get("dtype", ""))
+    parts = [f"  {rec['shape']:26s} {dtype:4s} {rec.get('pass', 'fwd'):5s} {rec['impl']:11s}",
              f"{rec['ms']:9.3f} ms" if rec["ms"] is not None
              else "  skipped" if rec.get("skipped") else "   failed"]
+    if rec.get("eff_tflops") is not None:
+        parts.append(f"{rec['eff_tflops']:7.1f} TFLOP/s")
     if rec.get("skipped"):
         parts.append(rec["skipped"])
     if rec.get("max_err") is not None:
@@ -278,9 +521,9 @@ def cudnn_version():
 
 def package_versions():
     names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
-             "jax-cuda12-pjrt", "jax_varlen")
+             "jax-cuda12-pjrt", "jax_varlen", "flash-attn3-jax", "nvidia-cutlass")
     versions = {}
-    for n in names + ("flash-attn3-jax",):
+    for n in names:
         try:
             versions[n] = importlib.metadata.version(n)
         except importlib.metadata.PackageNotFoundError:
@@ -288,44 +531,107 @@ def package_versions():
     return versions
 
 
+def write_all(args, stem, records, meta, shapes):
+    """JSON + markdown (summary first) and, unless --no-plot, the PNG."""
+    meta["summary"] = report.summary_table(records, shapes)
+    table = report.markdown_table(records, shapes)
+    paths = list(report.write_results(args.out, stem, records, meta, table))
+    if not args.no_plot:
+        try:
+            import plot
+            paths.append(plot.plot(paths[0]))
+        except ImportError as e:  # matplotlib is optional: plot.py can run elsewhere later
+            meta["plot"] = f"not drawn: {e}"
+        except Exception as e:  # noqa: BLE001 - a plotting bug must not lose the results
+            meta["plot"] = f"failed: {error_string(e)}"
+            print(f"plot: {meta['plot']}", flush=True)
+    return paths, table
+
+
 def main(argv=None):
+    t_start = time.monotonic()
     args = parse_args(argv)
-    shapes = select_shapes(load_shapes(), args.shapes, args.decode)
+    all_shapes = load_shapes()
+    run_fwd_pass = args.passes in ("fwd", "both")
+    run_train_pass = args.passes in ("train", "both")
+    fwd_shapes = select_shapes(all_shapes, args.shapes, args.decode) if run_fwd_pass else {}
+    train_names = (args.shapes or args.train_shapes).split(",") if run_train_pass else []
+    train_shapes = {n: s for n, s in select_shapes(all_shapes, ",".join(train_names), False)
+                    .items() if s["Sq"] != 1} if train_names else {}
+    extras = parse_extra_dtypes(args.extra_dtype, fwd_shapes)
+    shapes = {**fwd_shapes, **train_shapes}
     if args.cpu_smoke:
         shapes = {n: shrink(s) for n, s in shapes.items()}
         args.quick = True  # a logic test: short timing loops
-    names = [n for n in args.impls.split(",") if not (args.cpu_smoke and n in ("cudnn", FA3))]
+    skip = ("cudnn",) if args.cpu_smoke else ()
+    fwd_names = [n for n in args.impls.split(",") if n not in skip] if run_fwd_pass else []
+    train_impl_names = ([n for n in args.train_impls.split(",") if n not in skip]
+                        if run_train_pass else [])
+    names = list(dict.fromkeys(fwd_names + train_impl_names))
 
     jax_varlen, import_error = (import_jax_varlen() if report.OURS in names else (None, None))
     import_errors = {report.OURS: import_error} if import_error else {}
     impls = build_impls(names, jax_varlen, import_errors)
+
+    def subset(wanted):
+        return ({n: impls[n] for n in wanted if n in impls},
+                {n: import_errors[n] for n in wanted if n in import_errors})
 
     device = jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()
     versions = package_versions()
     if jax_varlen is not None:
         versions.setdefault("jax_varlen", getattr(jax_varlen, "__version__", None))
+    if FA3 in impls:
+        versions.setdefault("flash-attn3-jax", getattr(sys.modules.get("flash_attn3_jax"),
+                                                       "__version__", None))
     base = {"dtype": args.dtype, "device": device, "jax": jax.__version__,
             "date": date, "cudnn_version": cudnn_version()}
 
-    print(f"{device}, jax {jax.__version__}, cudnn {base['cudnn_version']}; "
-          f"impls {names}; {len(shapes)} shapes", flush=True)
-    records = []
-    for name, shape in shapes.items():
-        records += run_shape(name, shape, impls, import_errors, args, base)
+    jobs = [(n, args.dtype, "fwd") for n in fwd_shapes]
+    jobs += [(n, dtype, "fwd") for dtype, ns in extras for n in ns]
+    jobs += [(n, args.dtype, "train") for n in train_shapes]
+    print(f"{device}, jax {jax.__version__}, cudnn {base['cudnn_version']}, flash-attn3-jax "
+          f"{versions.get('flash-attn3-jax')}; forward impls {fwd_names}, train impls "
+          f"{train_impl_names}; {len(jobs)} (shape, dtype, pass) jobs", flush=True)
 
-    tag = args.tag + ("-cpu-smoke" if args.cpu_smoke else "")
+    tag = args.tag or {"fwd": "fwd", "train": "train", "both": "fwd-train"}[args.passes]
+    tag += "-cpu-smoke" if args.cpu_smoke else ""
     stem = f"{date}-{device_slug(device)}-{tag}"
     meta = {"device": device, "device_count": jax.device_count(), "date": date,
             "versions": dict(versions, cudnn=base["cudnn_version"]),
             "command": " ".join(["python3", "benchmarks/bench.py", *sys.argv[1:]]),
             "cpu_smoke": args.cpu_smoke, "quick": args.quick, "seed": args.seed,
+            "passes": args.passes, "timing": TIMING, "step_budget_s": args.step_budget_s,
             "jax_varlen_path": jax_varlen and os.path.dirname(jax_varlen.__file__),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "shapes": shapes}
-    table = report.markdown_table(records, shapes)
-    paths = report.write_results(args.out, stem, records, meta, table)
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "shapes": {}}
+    if FA3 in impls:
+        meta["fa3_einops_stub"] = FA3_EINOPS_STUB
+    clock = Clock(args.budget_s)
+    records, paths, table = [], [], ""
+    for name, dtype, pass_ in jobs:
+        t0 = time.monotonic()
+        run = run_fwd if pass_ == "fwd" else run_train
+        wanted = fwd_names if pass_ == "fwd" else train_impl_names
+        try:
+            records += run(name, shapes[name], dtype, *subset(wanted), args, base, clock)
+        except Exception as e:  # noqa: BLE001 - e.g. inputs or reference out of memory
+            print(f"  {name} {dtype} {pass_}: {error_string(e)}", flush=True)
+            records += [new_record(base, name, impl, dtype=jnp.dtype(dtype).name,
+                                   error="inputs or reference: " + error_string(e),
+                                   **{"pass": p})
+                        for impl in wanted for p in (("fwd",) if pass_ == "fwd"
+                                                     else ("train", "bwd"))]
+        meta["shapes"][name] = shapes[name]
+        meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
+        print(f"  ({time.monotonic() - t0:.1f} s; {meta['elapsed_s']:.0f} s so far)",
+              flush=True)
+        paths, table = write_all(args, stem, records, meta, shapes)
+
     print("\nwrote " + ", ".join(paths) + "\n")
     print(table)
+    print("\nSummary (ours / best of cuDNN and FA3; targets: issue 11 forward, issue 12 train)\n")
+    print(report.summary_table(records, shapes))
 
 
 if __name__ == "__main__":

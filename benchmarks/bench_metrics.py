@@ -1,12 +1,21 @@
-"""Effective work of one attention call, and a cheap fp32 check of an output.
+"""Effective work of one attention call, a cheap fp32 check of an output and of gradients,
+and the per-shape floors of NOTES.md.
 
 Definitions follow shapes.json's `_doc`:
     effective TFLOP/s = 2 * pairs * H * (D + Dv) / time   (= 4 * pairs * H * D when D == Dv),
         pairs = allowed (query, key) pairs under the implementation's *own* mask;
+        a training step ("train": forward + backward) counts 3.5x that, the backward alone
+        ("bwd") 2.5x;
     effective TB/s = (valid K and V + Q + O bytes, each read or written once) / time.
+
+    python3 benchmarks/bench_metrics.py floors     # the floors table of NOTES.md, as markdown
 """
 
 import functools
+import json
+import math
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +30,19 @@ TOP_LEFT = "top_left"
 # bf16 inputs and output against an fp32 reference: outputs are convex combinations of
 # N(0, 1) values, so |out| <~ 3 and one bf16 rounding of the output alone is up to ~8e-3.
 MAX_ERR_TOL = 3e-2
+# Gradients: max |g - g_ref| over the checked rows / max |g_ref| there, worst of dq, dk, dv.
+# bf16 gradients carry one rounding (4e-3 relative) plus bf16 products inside the kernels; a
+# wrong mask or a missed term is O(1) on this scale.
+GRAD_REL_TOL = 5e-2
+HIGHEST = jax.lax.Precision.HIGHEST  # the reference's f32 dots: no TF32 on the GPU
+
+# FLOPs of a pass relative to the forward's (shapes.json `result_record.pass`).
+PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "train": 3.5}
+
+# Ceilings measured on the lent H200 (brief, 2026-12-02): dense bf16 matrix product and device
+# copy (read + write).
+MATRIX_TFLOPS = 794.0
+COPY_TBPS = 4.30
 
 
 def allowed_pairs(seqlen_q, lengths, is_causal, align):
@@ -44,10 +66,11 @@ def allowed_pairs(seqlen_q, lengths, is_causal, align):
     return int(per_row.sum())
 
 
-def flops(shape, align):
-    """Effective FLOPs: two matmuls (QK^T over D, PV over Dv) per allowed pair and head."""
+def flops(shape, align, pass_="fwd"):
+    """Effective FLOPs: two matmuls (QK^T over D, PV over Dv) per allowed pair and head, times
+    PASS_FLOPS[pass_] (3.5 for a training step, 2.5 for the backward alone)."""
     pairs = allowed_pairs(shape["Sq"], shape["lengths"], shape["causal"], align)
-    return 2 * pairs * shape["H"] * (shape["D"] + shape["Dv"])
+    return PASS_FLOPS[pass_] * 2 * pairs * shape["H"] * (shape["D"] + shape["Dv"])
 
 
 def bytes_moved(shape, itemsize):
@@ -70,7 +93,8 @@ def _reference_rows(q, k, v, lengths, q_start, *, scale, seqlen_q, is_causal):
     skv, hkv = k.shape[1], k.shape[2]
     group = h // hkv  # query heads per KV head (GQA)
     q = q.astype(jnp.float32).reshape(b, c, hkv, group, d)
-    s = jnp.einsum("bckgd,bskd->bkgcs", q, k.astype(jnp.float32)) * scale  # [B, Hkv, G, C, Skv]
+    s = jnp.einsum("bckgd,bskd->bkgcs", q, k.astype(jnp.float32),
+                   precision=HIGHEST) * scale  # [B, Hkv, G, C, Skv]
     i = q_start + jnp.arange(c)[:, None]  # [C, 1]
     j = jnp.arange(skv)[None, :]  # [1, Skv]
     n = lengths[:, None, None]  # [B, 1, 1]
@@ -83,7 +107,8 @@ def _reference_rows(q, k, v, lengths, q_start, *, scale, seqlen_q, is_causal):
     m = jnp.where(has_key[:, None, None, :, None], s.max(-1, keepdims=True), 0.0)
     p = jnp.exp(s - m)  # masked entries -> exp(-inf) = 0
     p = p / jnp.maximum(p.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    out = jnp.einsum("bkgcs,bskd->bckgd", p, v.astype(jnp.float32))  # [B, C, Hkv, G, Dv]
+    out = jnp.einsum("bkgcs,bskd->bckgd", p, v.astype(jnp.float32),
+                     precision=HIGHEST)  # [B, C, Hkv, G, Dv]
     return out.reshape(b, c, h, v.shape[-1]), has_key
 
 
@@ -113,3 +138,126 @@ def max_abs_err(out, ref, has_key, seqs):
     diff = jnp.where(has_key[idx][:, :, None, None], diff, 0.0)
     err = jnp.where(jnp.isfinite(diff).all(), diff.max(), jnp.nan)
     return float(err)
+
+
+@functools.partial(jax.jit, static_argnames=("seqlen_q", "is_causal"))
+def _reference_chunk_grads(q, k, v, lengths, q_start, dout, *, scale, seqlen_q, is_causal):
+    """Gradients of sum(out * dout) over one chunk of query rows (all f32): (dq, dk, dv)."""
+    def f(q, k, v):
+        return _reference_rows(q, k, v, lengths, q_start, scale=scale, seqlen_q=seqlen_q,
+                               is_causal=is_causal)[0]
+    _, vjp = jax.vjp(f, q, k, v)
+    return vjp(dout)
+
+
+def reference_grads(q, k, v, lengths, dout, *, scale, is_causal, chunk=512):
+    """fp32 gradients of sum(reference(q, k, v) * dout) with respect to q, k and v.
+
+    q: [B, Sq, H, D], k: [B, Skv, Hkv, D], v: [B, Skv, Hkv, Dv], dout: [B, Sq, H, Dv] (any float
+    dtype; computed in f32). The loss is a sum over query rows, so each chunk of rows is
+    differentiated on its own (memory bounded by one chunk's logits) and dk, dv are summed over
+    chunks. Returns ((dq, dk, dv), has_key [B, Sq]).
+    """
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    q, k, v, dout = f32(q), f32(k), f32(v), f32(dout)
+    seqlen_q = q.shape[1]
+    dqs, dk, dv, keys = [], jnp.zeros_like(k), jnp.zeros_like(v), []
+    for start in range(0, seqlen_q, chunk):
+        sl = slice(start, start + chunk)
+        dq_c, dk_c, dv_c = _reference_chunk_grads(q[:, sl], k, v, lengths, start, dout[:, sl],
+                                                  scale=scale, seqlen_q=seqlen_q,
+                                                  is_causal=is_causal)
+        _, hk = _reference_rows(q[:, sl], k, v, lengths, start, scale=scale, seqlen_q=seqlen_q,
+                                is_causal=is_causal)
+        dqs.append(dq_c)
+        keys.append(hk)
+        dk, dv = dk + dk_c, dv + dv_c
+    return (jnp.concatenate(dqs, 1), dk, dv), jnp.concatenate(keys, 1)
+
+
+def max_rel_grad_err(grads, ref_grads, has_key, lengths, seqs):
+    """Worst over (dq, dk, dv) of max |g - g_ref| / max |g_ref| on sequences `seqs`: dq on rows
+    that see a key, dk and dv on the valid key rows (j < n_b). grads in any dtype, full batch;
+    ref_grads f32 over the first sequences. Returns a float (nan when a checked value is not
+    finite) or None when `seqs` is empty."""
+    if not seqs:
+        return None
+    idx = np.asarray(seqs)
+    skv = ref_grads[1].shape[1]
+    valid_k = jnp.arange(skv)[None, :] < jnp.asarray(lengths)[idx][:, None]  # [S, Skv]
+    masks = (has_key[idx], valid_k, valid_k)
+    worst = 0.0
+    for g, r, m in zip(grads, ref_grads, masks):
+        g, r = g[idx].astype(jnp.float32), r[idx]
+        m = m[:, :, None, None]
+        diff = jnp.where(m, jnp.abs(g - r), 0.0)
+        if not bool(jnp.isfinite(jnp.where(m, g, 0.0)).all()):
+            return math.nan
+        scale = float(jnp.where(m, jnp.abs(r), 0.0).max())
+        worst = max(worst, float(diff.max()) / max(scale, 1e-30))
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------
+# Floors (NOTES.md): python3 benchmarks/bench_metrics.py floors
+
+def floors(shape, itemsize=2):
+    """Lower bounds on one forward call of jax_varlen (tail-aligned mask): effective FLOPs over
+    MATRIX_TFLOPS and the fewest bytes (Q, the valid K/V rows, O, each once) over COPY_TBPS."""
+    f = flops(shape, TAIL)
+    nbytes = bytes_moved(shape, itemsize)
+    t_flop = f / (MATRIX_TFLOPS * 1e12)
+    t_byte = nbytes / (COPY_TBPS * 1e12)
+    t = max(t_flop, t_byte)
+    return {"gflop": f / 1e9, "mb": nbytes / 1e6, "flop_us": t_flop * 1e6,
+            "byte_us": t_byte * 1e6, "bound": "compute" if t_flop >= t_byte else "memory",
+            "max_tflops": f / t / 1e12, "max_tbps": nbytes / t / 1e12,
+            "train_flop_us": PASS_FLOPS["train"] * t_flop * 1e6}
+
+
+def floors_table(shapes, targets):
+    """Markdown: the floors of every named shape, then the issue targets in absolute terms from
+    the peers' numbers in shapes.json ("measured", "measured_train", "measured_TBps").
+    targets(shape_name, pass_) -> (ratio or None, absolute TFLOP/s floor or None)."""
+    lines = [
+        "| shape | GFLOP | MB | FLOP floor (us) | byte floor (us) | bound | max TFLOP/s | "
+        "train FLOP floor (us) |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for name, s in shapes.items():
+        fl = floors(s)
+        lines.append(f"| {name} | {fl['gflop']:.4g} | {fl['mb']:.0f} | {fl['flop_us']:.1f} | "
+                     f"{fl['byte_us']:.1f} | {fl['bound']} | {fl['max_tflops']:.4g} | "
+                     f"{fl['train_flop_us']:.0f} |")
+    lines += ["", "| shape | pass | best peer (brief) | target | target TFLOP/s | "
+              "target time (us) | target / max TFLOP/s |", "|---|---|---|---:|---:|---:|---:|"]
+    for name, s in shapes.items():
+        fl = floors(s)
+        for pass_, key in (("fwd", "measured"), ("train", "measured_train")):
+            ratio, absolute = targets(name, pass_)
+            peers = s.get(key, {})
+            if ratio is None or not peers:
+                continue
+            best = max(peers, key=peers.get)
+            goal = max(ratio * peers[best], absolute or 0.0)
+            work = fl["gflop"] * 1e9 * PASS_FLOPS[pass_]
+            lines.append(f"| {name} | {pass_} | {best} {peers[best]:.1f} | {ratio:.2f}x"
+                         f"{f' and {absolute:.0f}' if absolute else ''} | {goal:.0f} | "
+                         f"{work / (goal * 1e12) * 1e6:.0f} | {goal / fl['max_tflops']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    if argv[:1] != ["floors"]:
+        sys.exit(__doc__)
+    import bench_report  # targets live with the report
+    path = argv[1] if len(argv) > 1 else os.path.join(os.path.dirname(__file__), "shapes.json")
+    with open(path) as f:
+        shapes = json.load(f)["shapes"]
+    print(f"bf16; {MATRIX_TFLOPS:.0f} TFLOP/s matrix rate, {COPY_TBPS:.2f} TB/s copy; "
+          f"shapes from {os.path.basename(path)}\n")
+    print(floors_table(shapes, bench_report.target))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,9 +1,36 @@
-"""Turns benchmark records into a markdown table and writes the JSON + markdown result files."""
+"""Turns benchmark records into markdown tables and writes the JSON + markdown result files.
+
+    python3 benchmarks/bench_report.py RESULTS.json [MORE.json ...]
+
+prints the summary of one or more result files (e.g. the forward call's and the training
+call's): per shape and pass, ours / cuDNN / FA3 / XLA effective TFLOP/s, ours over the best of
+cuDNN and FA3, and the issue's target for it.
+"""
 
 import json
 import os
+import sys
 
 OURS = "jax_varlen"
+BEST_OF = ("cudnn", "fa3")  # the peers a target ratio is measured against
+SUMMARY_IMPLS = (OURS, "cudnn", "fa3", "xla")
+
+# Targets, bf16, ratio ours / max(cuDNN, FA3) in the same run. Forward: issue 11 (Hopper
+# forward), with 640 TFLOP/s absolute on d128-full; train: issue 12 (fused backward).
+RATIO_TARGETS = {
+    "fwd": {"d128-full": 1.05, "d128-causal-full": 1.05, "d128-long-causal": 1.05,
+            "d128-skewed": 1.4, "d128-causal-skewed": 1.4, "d128-long-causal-skewed": 1.4,
+            "d64-full": 1.05, "d64-skewed": 1.3},
+    "train": {"d128-full": 1.0, "d128-causal-full": 1.0, "d64-full": 1.0,
+              "d128-skewed": 1.5, "d128-causal-skewed": 1.5, "d64-skewed": 1.5},
+}
+ABSOLUTE_TARGETS = {"fwd": {"d128-full": 640.0}}  # TFLOP/s
+TARGET_DTYPE = "bfloat16"
+
+
+def target(shape, pass_):
+    """(ratio or None, absolute TFLOP/s or None) of the issues for a bf16 (shape, pass)."""
+    return RATIO_TARGETS.get(pass_, {}).get(shape), ABSOLUTE_TARGETS.get(pass_, {}).get(shape)
 
 
 def _is_decode(shape):
@@ -41,28 +68,97 @@ def _note(record):
     return ""
 
 
+def _group(record):
+    """Records compare within one (shape, dtype, pass)."""
+    return record["shape"], record.get("dtype", TARGET_DTYPE), record.get("pass", "fwd")
+
+
+def _measured_key(decode, pass_):
+    """shapes.json's key for the brief's peer numbers of this kind of record."""
+    if decode:
+        return "measured_TBps" if pass_ == "fwd" else None
+    return {"fwd": "measured", "train": "measured_train"}.get(pass_)
+
+
 def markdown_table(records, shapes):
-    """One row per (shape, impl). `ours/impl` = our effective rate / that impl's (>1: ours is
-    faster per unit of useful work); `ref` = the peer's number recorded in shapes.json."""
+    """One row per (shape, dtype, pass, impl). `ours/impl` = our effective rate / that impl's
+    (>1: ours is faster per unit of useful work); `ref` = the peer's number recorded in
+    shapes.json (bf16 only)."""
     lines = [
-        "| shape | impl | ms | eff | ours/impl | ref | note |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| shape | dtype | pass | impl | ms | eff | ours/impl | ref | note |",
+        "|---|---|---|---|---:|---:|---:|---:|---|",
     ]
-    for name in dict.fromkeys(r["shape"] for r in records):  # shapes in run order
+    for key in dict.fromkeys(_group(r) for r in records):  # groups in run order
+        name, dtype, pass_ = key
         decode = _is_decode(shapes[name])
         unit = "TB/s" if decode else "TFLOP/s"
-        rows = [r for r in records if r["shape"] == name]
+        rows = [r for r in records if _group(r) == key]
         ours = next((_eff(r, decode) for r in rows if r["impl"] == OURS), None)
-        measured = shapes[name].get("measured_TBps" if decode else "measured", {})
+        mkey = _measured_key(decode, pass_)
+        measured = shapes[name].get(mkey, {}) if mkey and dtype == TARGET_DTYPE else {}
         for r in rows:
             eff = _eff(r, decode)
             ratio = ours / eff if ours and eff and r["impl"] != OURS else None
             ref = measured.get(r["impl"])
             lines.append(
-                f"| {name} | {r['impl']} | {_fmt(r.get('ms'), '.3f')} "
+                f"| {name} | {_short_dtype(dtype)} | {pass_} | {r['impl']} "
+                f"| {_fmt(r.get('ms'), '.3f')} "
                 f"| {_fmt(eff, '.4g')} {unit if eff is not None else ''} "
                 f"| {_fmt(ratio, '.2f')} | {_fmt(ref, '')} | {_note(r)} |"
             )
+    return "\n".join(lines)
+
+
+def _short_dtype(dtype):
+    return {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(dtype, dtype)
+
+
+def summary_rows(records, shapes=None):
+    """One row per non-decode (shape, dtype, pass) in run order (later records of the same
+    (shape, dtype, pass, impl) replace earlier ones, so several files can be combined):
+    {"shape", "dtype", "pass", "eff": {impl: TFLOP/s}, "ratio", "best", "target", "absolute",
+    "met"}. A target applies to bf16 only; met is None without a target or without numbers."""
+    latest = {}
+    for r in records:
+        if shapes is not None and r["shape"] in shapes and _is_decode(shapes[r["shape"]]):
+            continue
+        if shapes is None and r["shape"].startswith("decode"):
+            continue
+        latest[(*_group(r), r["impl"])] = r
+    rows = []
+    for key in dict.fromkeys(k[:3] for k in latest):
+        name, dtype, pass_ = key
+        eff = {k[3]: r["eff_tflops"] for k, r in latest.items()
+               if k[:3] == key and r.get("eff_tflops")}
+        ours = eff.get(OURS)
+        peers = {p: eff[p] for p in BEST_OF if p in eff}
+        best = max(peers, key=peers.get) if peers else None
+        ratio = ours / peers[best] if ours and best else None
+        ratio_t, absolute = target(name, pass_) if dtype == TARGET_DTYPE else (None, None)
+        met = None
+        if ratio_t is not None and ratio is not None:
+            met = ratio >= ratio_t and (absolute is None or ours >= absolute)
+        rows.append({"shape": name, "dtype": dtype, "pass": pass_, "eff": eff, "ratio": ratio,
+                     "best": best, "target": ratio_t, "absolute": absolute, "met": met})
+    return rows
+
+
+def summary_table(records, shapes=None):
+    """Markdown: per shape and pass, the effective TFLOP/s of ours and the peers, ours over the
+    best of cuDNN and FA3, and the target (bf16; forward: issue 11, train: issue 12)."""
+    lines = ["| shape | dtype | pass | ours | cuDNN | FA3 | XLA | ours / best | target | met |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for row in summary_rows(records, shapes):
+        cells = [_fmt(row["eff"].get(i), ".0f" if row["eff"].get(i, 0) >= 10 else ".3g")
+                 or "-" for i in SUMMARY_IMPLS]
+        ratio = f"{row['ratio']:.2f} ({row['best']})" if row["ratio"] is not None else "-"
+        tgt = ""
+        if row["target"] is not None:
+            tgt = f">= {row['target']:.2f}x" + (f", >= {row['absolute']:.0f} TFLOP/s"
+                                                if row["absolute"] else "")
+        met = "" if row["met"] is None else ("yes" if row["met"] else "no")
+        lines.append(f"| {row['shape']} | {_short_dtype(row['dtype'])} | {row['pass']} | "
+                     + " | ".join(cells) + f" | {ratio} | {tgt} | {met} |")
     return "\n".join(lines)
 
 
@@ -94,7 +190,8 @@ def sweep_table(records):
 
 
 def write_results(out_dir, stem, records, meta, table):
-    """Writes <out_dir>/<stem>.json ({"records": [...], "meta": {...}}) and <stem>.md."""
+    """Writes <out_dir>/<stem>.json ({"records": [...], "meta": {...}}) and <stem>.md (the
+    summary first where meta["summary"] holds one, then `table`)."""
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, stem + ".json")
     with open(json_path, "w") as f:
@@ -107,6 +204,38 @@ def write_results(out_dir, stem, records, meta, table):
                 f"Command: `{meta['command']}`\n\n"
                 "eff = effective TFLOP/s (allowed query-key pairs under each impl's own mask) "
                 "or TB/s for decode (valid K/V + Q + O bytes). ours/impl = jax_varlen's eff / "
-                "that impl's. ref = the peer's number in shapes.json.\n\n"
-                f"{table}\n")
+                "that impl's. ref = the peer's number in shapes.json. Passes: fwd; train = "
+                "forward + backward of sum(out * dO) through jax.vjp, 3.5x the forward's "
+                "FLOPs; bwd = the backward alone, 2.5x.\n\n"
+                + (f"## Summary\n\n{meta['summary']}\n\n## All records\n\n"
+                   if meta.get("summary") else "")
+                + f"{table}\n")
     return json_path, md_path
+
+
+def load_records(path):
+    """(records, meta) of a result file: {"records": [...], "meta": {...}} or a bare list."""
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, list):
+        return data, {}
+    return data["records"], data.get("meta", {})
+
+
+def main(paths):
+    if not paths:
+        sys.exit(__doc__)
+    records, shapes = [], {}
+    for path in paths:
+        recs, meta = load_records(path)
+        records += recs
+        shapes.update(meta.get("shapes", {}))
+        versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items() if v)
+        print(f"{os.path.basename(path)}: {meta.get('device', '')} {meta.get('date', '')}; "
+              f"{versions}")
+    print()
+    print(summary_table(records, shapes or None))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

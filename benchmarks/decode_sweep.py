@@ -1,5 +1,5 @@
-"""Decode sweep: jax_varlen.attention against cuDNN (and XLA where it fits) over batch size and
-KV-cache length. Every sequence is full (n_b = Skv); Sq = 1, H = 32, Hkv = 8, D = Dv = 128.
+"""Decode sweep: jax_varlen.attention against cuDNN, FA3 (when importable; its KV-cache kernel
+with bench.fa3_default_splits) and XLA where it fits, over batch size and KV-cache length. Every sequence is full (n_b = Skv); Sq = 1, H = 32, Hkv = 8, D = Dv = 128.
 
 On a GPU machine:  python3 benchmarks/decode_sweep.py [--out DIR]     (< 4 minutes on an H200)
 CPU smoke test:    JAX_PLATFORMS=cpu python benchmarks/decode_sweep.py --cpu-smoke --impls xla
@@ -58,7 +58,7 @@ SMOKE_GRID = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--impls", default="jax_varlen,cudnn,xla")
+    p.add_argument("--impls", default="jax_varlen,cudnn,fa3,xla")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=os.path.join(bench.HERE, "results"))
     p.add_argument("--tag", default="decode-sweep", help="file-name suffix")
@@ -166,8 +166,8 @@ def main(argv=None):
 
     jax_varlen, import_error = (bench.import_jax_varlen() if report.OURS in names
                                 else (None, None))
-    impls = bench.build_impls(names, jax_varlen)
     import_errors = {report.OURS: import_error} if import_error else {}
+    impls = bench.build_impls(names, jax_varlen, import_errors)
 
     device = jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()

@@ -1,37 +1,99 @@
 #!/usr/bin/env bash
-# One device call: build for sm_90a, run the GPU tests, then the benchmark; logs and results
-# land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [decode] [sweep] [ncu]   (default: tests bench decode;
-#   the sweep stage takes up to 240 s, so e.g. `bash benchmarks/h200.sh decode sweep`)
-# Env: PYTEST_K selects GPU tests (-k), SHAPES the benchmark shapes, BENCH_ARGS more bench.py
-# flags (e.g. --quick), TESTS_S / BENCH_S stage time limits, OUT the output folder.
+# One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
+# results land in $OUT (the device tool brings them back). Usage, from the repository root:
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [ncu]   (default: tests bench)
+# Stages: tests = the GPU test files; bench = every named non-decode shape forward (bf16, plus
+# f16 of d128-full and d128-skewed), jax_varlen / cuDNN / FA3 / XLA; train = train + bwd records
+# (jax_varlen / cuDNN / FA3) on the six training shapes; decode = the decode shapes; sweep = the
+# decode sweep; ncu = Nsight Compute on one call of each forward kernel.
+# The whole call is held to TOTAL_S (default 540 s, from the start of this script): each stage's
+# limit is cut to what is left, a stage with under 30 s left is skipped, and bench.py is told
+# to stop starting measurements in time to write its files (they are rewritten after every
+# shape, so a stage cut short keeps what finished).
+# Env: TOTAL_S; stage limits TESTS_S (200) BENCH_S (270) TRAIN_S (400) DECODE_S (120)
+#   SWEEP_S (240) NCU_S (200); TEST_FILES (default tests/test_gpu_*.py; paths from the repo
+#   root), PYTEST_K (-k); SHAPES (bench), TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more
+#   bench.py flags, e.g. --quick), STEP_S (train: timing bound per measurement, default 15);
+#   NCU_SHAPES, NCU_REGEX; OUT (output folder, default /tmp/out).
+# A folder .whl/ in the repository root (carried to the device) is installed first, into
+# /tmp/site with --no-deps: flash-attn3-jax (the FA3 peer) and nvidia-cutlass (the CUTLASS/CuTe
+# headers the sm_90a build finds through `import cutlass_library`).
 set -u
+T0=$(date +%s)
 R=$(pwd)
 OUT=${OUT:-/tmp/out}
-STAGES=${*:-tests bench decode}
-mkdir -p "$OUT"
+STAGES=${*:-tests bench}
+TOTAL_S=${TOTAL_S:-540}
+mkdir -p "$OUT" /tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1  # before the build: cutlass_library from here
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 \
+    || { tail -20 "$OUT/wheels.log"; exit 1; }
+  echo "wheels: $(cd .whl && echo *.whl) ($(($(date +%s) - T0)) s)"
+fi
 t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps --target /tmp/site \
+# --upgrade: on a machine kept warm from an earlier call, replace the jax_varlen built then.
+python3 -m pip install --no-build-isolation --no-deps --upgrade --target /tmp/site \
   -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . >"$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log"; exit 1; }
 echo "build: $(($(date +%s) - t0)) s"
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+
+# limit STAGE_DEFAULT: the stage's time limit, cut to what is left of TOTAL_S (less 10 s to
+# copy results); prints nothing when under 30 s would be left.
+limit() {
+  local left=$((TOTAL_S - ($(date +%s) - T0) - 10))
+  ((left < 30)) && return 1
+  ((left < $1)) && echo "$left" || echo "$1"
+}
+# summary LOG: bench.py's closing summary table, or the log's tail if it did not get there.
+summary() {
+  if grep -q '^Summary' "$1"; then sed -n '/^Summary/,$p' "$1"; else tail -15 "$1"; fi
+}
+
 cd /tmp  # the source folder would shadow the installed package
+python3 -c "import jax, jax_varlen; print('jax', jax.__version__, jax.devices()[0].device_kind, \
+'| jax_varlen', jax_varlen.__file__)" 2>&1 | tail -1
 for stage in $STAGES; do
+  t0=$(date +%s)
   case $stage in
-    tests) timeout ${TESTS_S:-270} python3 -m pytest "$R/tests/test_gpu_forward.py" "$R/tests/test_gpu_decode.py" -q -rP -p no:cacheprovider \
-             --durations=5 -k "${PYTEST_K:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -12 ;;
-    bench) timeout ${BENCH_S:-220} python3 "$R/benchmarks/bench.py" --out "$OUT" ${BENCH_ARGS:-} \
-             ${SHAPES:+--shapes "$SHAPES"} 2>&1 | tail -14 ;;
-    decode) timeout 90 python3 "$R/benchmarks/bench.py" --out "$OUT" --tag decode ${BENCH_ARGS:-} \
-             --shapes decode-full,decode-skewed --decode 2>&1 | tail -6 ;;
-    ncu) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none --target-processes all -k "regex:fwd_(tc|split)_kernel" \
-           --launch-count 4 --section SpeedOfLight --section Occupancy \
-           --section WarpStateStats --section SchedulerStats --section LaunchStats \
-           --section MemoryWorkloadAnalysis python3 "$R/benchmarks/ncu_case.py" ${NCU_SHAPES:-d128-full decode-full} \
-           >"$OUT/ncu.log" 2>&1; grep -E "Duration|Throughput|Warp Cycles Per Issued|Achieved Occ|Registers" "$OUT/ncu.log" | head -40 ;;
-    sweep) timeout 240 python3 "$R/benchmarks/decode_sweep.py" --out "$OUT" 2>&1 \
-             | tee "$OUT/decode_sweep.log" | tail -24 ;;
+    tests) L=$(limit "${TESTS_S:-200}") || { echo "tests: skipped (time)"; continue; }
+      files=${TEST_FILES:-tests/test_gpu_*.py}
+      timeout "$L" python3 -m pytest $(cd "$R" && for f in $files; do echo "$R/$f"; done) \
+        -q -rP -p no:cacheprovider --durations=5 -k "${PYTEST_K:-}" 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -12 ;;
+    bench) L=$(limit "${BENCH_S:-270}") || { echo "bench: skipped (time)"; continue; }
+      timeout "$L" python3 "$R/benchmarks/bench.py" --out "$OUT" --passes fwd \
+        --budget-s $((L - 30)) ${BENCH_ARGS:-} ${SHAPES:+--shapes "$SHAPES"} \
+        >"$OUT/bench.log" 2>&1
+      summary "$OUT/bench.log" ;;
+    train) L=$(limit "${TRAIN_S:-400}") || { echo "train: skipped (time)"; continue; }
+      timeout "$L" python3 "$R/benchmarks/bench.py" --out "$OUT" --passes train \
+        --budget-s $((L - 45)) --step-budget-s "${STEP_S:-15}" ${TRAIN_ARGS:-} \
+        ${TRAIN_SHAPES:+--shapes "$TRAIN_SHAPES"} >"$OUT/train.log" 2>&1
+      summary "$OUT/train.log" ;;
+    decode) L=$(limit "${DECODE_S:-120}") || { echo "decode: skipped (time)"; continue; }
+      timeout "$L" python3 "$R/benchmarks/bench.py" --out "$OUT" --tag decode --decode \
+        --budget-s $((L - 20)) ${BENCH_ARGS:-} --shapes decode-full,decode-skewed \
+        >"$OUT/decode.log" 2>&1
+      grep -E "^\| decode" "$OUT/decode.log" || tail -8 "$OUT/decode.log" ;;
+    ncu) L=$(limit "${NCU_S:-200}") || { echo "ncu: skipped (time)"; continue; }
+      # fwd_tc_kernel / fwd_split_kernel (sm80 path) and fwd_sm90_kernel (Hopper path)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$L" ncu --clock-control none \
+        --target-processes all -k "${NCU_REGEX:-regex:fwd_(tc|split|sm90)[A-Za-z0-9_]*_kernel}" \
+        --launch-count 4 --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section SchedulerStats --section LaunchStats \
+        --section MemoryWorkloadAnalysis \
+        python3 "$R/benchmarks/ncu_case.py" ${NCU_SHAPES:-d128-full decode-full} \
+        >"$OUT/ncu.log" 2>&1
+      grep -E "^  [A-Za-z0-9_]+_kernel|Duration|Throughput|Warp Cycles Per Issued|Achieved Occ|Registers" \
+        "$OUT/ncu.log" | head -48 ;;
+    sweep) L=$(limit "${SWEEP_S:-240}") || { echo "sweep: skipped (time)"; continue; }
+      timeout "$L" python3 "$R/benchmarks/decode_sweep.py" --out "$OUT" \
+        --budget-s $((L - 30)) 2>&1 | tee "$OUT/decode_sweep.log" | tail -24 ;;
+    *) echo "unknown stage $stage (tests bench train decode sweep ncu)"; continue ;;
   esac
+  echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done

@@ -1,8 +1,9 @@
 """Plots one bench.py results file: python benchmarks/plot.py benchmarks/results/X.json
 
-Writes X.png next to it: grouped bars of effective TFLOP/s per shape and impl, and a second
-panel of effective TB/s for decode shapes (Sq == 1) when the file has any. Failed runs are
-left as gaps, marked "x" on the axis.
+Writes X.png next to it: grouped bars of effective TFLOP/s per shape and impl, one panel per
+pass (forward, training step, backward alone), and a panel of effective TB/s for decode shapes
+(Sq == 1) when the file has any. Shapes in a dtype other than bfloat16 are labelled with it
+(e.g. "d128-full f16"). Failed runs are left as gaps, marked "x" on the axis.
 
 A decode_sweep.py file (records with B and Skv) is drawn as lines instead: effective TB/s
 against cache length (log x), one line per (impl, B), with the H200's measured copy bandwidth
@@ -20,9 +21,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-IMPL_ORDER = ("jax_varlen", "cudnn", "xla")
+IMPL_ORDER = ("jax_varlen", "cudnn", "fa3", "xla")
 COPY_TBPS = 4.30  # device-to-device copy (read + write) measured on the lent H200; NOTES.md
-LINE_STYLE = {"jax_varlen": ("-", "o"), "cudnn": ("--", "s"), "xla": (":", "^")}
+LINE_STYLE = {"jax_varlen": ("-", "o"), "cudnn": ("--", "s"), "fa3": ("-.", "v"),
+              "xla": (":", "^")}
 
 
 def load(path):
@@ -39,11 +41,23 @@ def is_decode(name, meta):
     return shape["Sq"] == 1 if shape else name.startswith("decode")
 
 
+SHORT_DTYPE = {"bfloat16": "", "float16": " f16", "float32": " f32"}
+PASS_LABEL = {"fwd": "forward", "train": "training step (fwd + bwd, 3.5x fwd FLOPs)",
+              "bwd": "backward alone (2.5x fwd FLOPs)"}
+
+
+def group_label(record):
+    """'d128-full' for bfloat16, 'd128-full f16' for float16."""
+    dtype = record.get("dtype", "bfloat16")
+    return record["shape"] + SHORT_DTYPE.get(dtype, f" {dtype}")
+
+
 def bar_panel(ax, records, key, ylabel):
-    """Grouped bars: one group per shape (run order), one bar per impl; value = record[key]."""
-    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    """Grouped bars: one group per shape (and dtype; run order), one bar per impl; value =
+    record[key]."""
+    shapes = list(dict.fromkeys(group_label(r) for r in records))
     impls = sorted({r["impl"] for r in records}, key=impl_key)
-    value = {(r["shape"], r["impl"]): r.get(key) for r in records}
+    value = {(group_label(r), r["impl"]): r.get(key) for r in records}
     width = 0.8 / len(impls)
     for k, impl in enumerate(impls):
         xs = [s + (k - (len(impls) - 1) / 2) * width for s in range(len(shapes))]
@@ -129,18 +143,24 @@ def plot(path):
         return sweep_plot(path, records, meta)
     prefill = [r for r in records if not is_decode(r["shape"], meta)]
     decode = [r for r in records if is_decode(r["shape"], meta)]
-    panels = [(rs, key, label) for rs, key, label in (
-        (prefill, "eff_tflops", "effective TFLOP/s"),
-        (decode, "eff_tbps", "effective TB/s (decode)")) if rs]
-    widths = [max(4.0, 1.2 * len({r["shape"] for r in rs})) for rs, _, _ in panels]
+    passes = list(dict.fromkeys(r.get("pass", "fwd") for r in prefill))
+    panels = [([r for r in prefill if r.get("pass", "fwd") == p], "eff_tflops",
+               PASS_LABEL.get(p, p)) for p in passes]
+    if decode:
+        panels.append((decode, "eff_tbps", "decode"))
+    widths = [max(4.0, 1.2 * len({group_label(r) for r in rs})) for rs, _, _ in panels]
     fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths) + 1, 4.5), squeeze=False,
                              gridspec_kw={"width_ratios": widths})
-    for ax, (rs, key, label) in zip(axes[0], panels):
-        bar_panel(ax, rs, key, label)
+    for ax, (rs, key, title) in zip(axes[0], panels):
+        bar_panel(ax, rs, key, "effective TB/s" if key == "eff_tbps" else "effective TFLOP/s")
+        ax.set_title(title, fontsize=9)
     first = records[0] if records else {}
+    versions = meta.get("versions", {})
+    peers = ", ".join(f"{k} {versions[k]}" for k in ("cudnn", "flash-attn3-jax") if versions.get(k))
+    smoke = "; CPU smoke test: checks the script, not performance" if meta.get("cpu_smoke") else ""
     fig.suptitle(f"{os.path.basename(path)}: {meta.get('device', first.get('device', ''))}, "
-                 f"{first.get('dtype', '')} {first.get('pass', '')}, jax {first.get('jax', '')}",
-                 fontsize=10)
+                 f"{meta.get('date', first.get('date', ''))}, jax {first.get('jax', '')}"
+                 f"{', ' + peers if peers else ''}{smoke}", fontsize=10)
     fig.tight_layout()
     png = os.path.splitext(path)[0] + ".png"
     fig.savefig(png, dpi=120)
