@@ -1,40 +1,64 @@
-# CUDA part of the extension: the FFI handler, the kernel dispatch, and one generated .cu file
+# CUDA part of the extension: the FFI handler, the dispatch table, and one generated .cu file
 # per kernel instantiation, so instantiations compile in parallel and a change to one bucket
 # rebuilds one file.
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
 
-# Machine code for sm_80 (Ampere) and sm_90a (Hopper; the target wgmma will need), plus
-# compute_80 PTX so that newer GPUs can JIT the kernels.
-# JAX_VARLEN_CUDA_ARCHS overrides the list (e.g. "90a-real" for a quick build on one H100/H200).
+# Machine code for sm_80 (Ampere) and sm_90a (Hopper), plus compute_80 PTX so that newer GPUs
+# can JIT the kernels. JAX_VARLEN_CUDA_ARCHS overrides the list (e.g. "90a-real" for a quick
+# build on one H100/H200).
 set(JAX_VARLEN_CUDA_ARCHS "80-real;90a-real;80-virtual" CACHE STRING "CUDA architectures to build")
 set(CMAKE_CUDA_ARCHITECTURES ${JAX_VARLEN_CUDA_ARCHS})
 set(CMAKE_CUDA_STANDARD 17)
 
+# The head-dim buckets come from the header the dispatch table reads (kHeadDimBuckets), so the
+# instantiations and the table cannot disagree.
+file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/cuda/limits.h" buckets_line REGEX "kHeadDimBuckets\\[\\] =")
+string(REGEX MATCHALL "[0-9]+" head_dim_buckets "${buckets_line}")
+
 set(instantiation_dir "${CMAKE_CURRENT_BINARY_DIR}/instantiations")
-set(instantiations "")
-foreach(elem IN ITEMS "__half:f16" "__nv_bfloat16:bf16")
-  string(REPLACE ":" ";" pair "${elem}")
-  list(GET pair 0 ctype)
-  list(GET pair 1 tag)
-  foreach(dim IN ITEMS 64 128 256)
-    foreach(kernel IN ITEMS tc split)
-      set(file "${instantiation_dir}/fwd_${kernel}_${tag}_d${dim}.cu")
+
+# jax_varlen_instantiate(<list> <header> <function> ELEMS <ctype:tag>... [DIMS <bucket>...])
+# writes one .cu file per dtype (and head-dim bucket, when DIMS is given) that instantiates the
+# entry point <function><ctype[, bucket]> defined in <header>, and appends the files to <list>.
+function(jax_varlen_instantiate out_var header function)
+  cmake_parse_arguments(PARSE_ARGV 3 arg "" "" "ELEMS;DIMS")
+  string(REGEX REPLACE ".*::" "" name "${function}")
+  set(files ${${out_var}})
+  foreach(elem IN LISTS arg_ELEMS)
+    string(REPLACE ":" ";" pair "${elem}")
+    list(GET pair 0 ctype)
+    list(GET pair 1 tag)
+    set(variants "")
+    if(arg_DIMS)
+      foreach(dim IN LISTS arg_DIMS)
+        list(APPEND variants "${ctype}, ${dim}|${tag}_d${dim}")
+      endforeach()
+    else()
+      list(APPEND variants "${ctype}|${tag}")
+    endif()
+    foreach(variant IN LISTS variants)
+      string(REPLACE "|" ";" variant "${variant}")
+      list(GET variant 0 targs)
+      list(GET variant 1 suffix)
+      set(file "${instantiation_dir}/${name}_${suffix}.cu")
       file(CONFIGURE OUTPUT "${file}" CONTENT
-        "#include \"cuda/fwd_${kernel}.cuh\"\ntemplate cudaError_t jax_varlen::cuda::run_fwd_${kernel}<${ctype}, ${dim}>(const jax_varlen::AttentionParams&, cudaStream_t);\n")
-      list(APPEND instantiations "${file}")
+        "#include \"${header}\"\ntemplate cudaError_t ${function}<${targs}>(const jax_varlen::AttentionParams&, cudaStream_t);\n")
+      list(APPEND files "${file}")
     endforeach()
   endforeach()
-endforeach()
-foreach(elem IN ITEMS "float:f32" "__half:f16" "__nv_bfloat16:bf16")
-  string(REPLACE ":" ";" pair "${elem}")
-  list(GET pair 0 ctype)
-  list(GET pair 1 tag)
-  set(file "${instantiation_dir}/fwd_simt_${tag}.cu")
-  file(CONFIGURE OUTPUT "${file}" CONTENT
-    "#include \"cuda/fwd_simt.cuh\"\ntemplate cudaError_t jax_varlen::cuda::run_fwd_simt<${ctype}>(const jax_varlen::AttentionParams&, cudaStream_t);\n")
-  list(APPEND instantiations "${file}")
-endforeach()
+  set(${out_var} ${files} PARENT_SCOPE)
+endfunction()
+
+# The sm80 kernels (ffi/cuda/sm80/), compiled for every target architecture.
+set(tensor_core_elems "__half:f16" "__nv_bfloat16:bf16")
+set(sm80_sources "")
+jax_varlen_instantiate(sm80_sources cuda/sm80/fwd_tc.cuh jax_varlen::cuda::sm80::run_fwd_tc
+                       ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets})
+jax_varlen_instantiate(sm80_sources cuda/sm80/fwd_split.cuh jax_varlen::cuda::sm80::run_fwd_split
+                       ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets})
+jax_varlen_instantiate(sm80_sources cuda/sm80/fwd_simt.cuh jax_varlen::cuda::sm80::run_fwd_simt
+                       ELEMS "float:f32" ${tensor_core_elems})
 
 # The Hopper path (ffi/cuda/sm90/): CuTe/CUTLASS headers from the nvidia-cutlass package (a build
 # requirement), compiled for sm_90a only, as its own object library, when 90a is a target.
@@ -45,19 +69,10 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
       "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
     OUTPUT_STRIP_TRAILING_WHITESPACE OUTPUT_VARIABLE CUTLASS_INCLUDE_DIR RESULT_VARIABLE cutlass_found)
   if(cutlass_found EQUAL 0 AND EXISTS "${CUTLASS_INCLUDE_DIR}/cute/tensor.hpp")
-    set(sm90_instantiations "")
-    foreach(elem IN ITEMS "__half:f16" "__nv_bfloat16:bf16")
-      string(REPLACE ":" ";" pair "${elem}")
-      list(GET pair 0 ctype)
-      list(GET pair 1 tag)
-      foreach(dim IN ITEMS 64 128 256)
-        set(file "${instantiation_dir}/fwd_sm90_${tag}_d${dim}.cu")
-        file(CONFIGURE OUTPUT "${file}" CONTENT
-          "#include \"cuda/sm90/fwd_sm90.cuh\"\ntemplate cudaError_t jax_varlen::cuda::sm90::run_fwd_sm90<${ctype}, ${dim}>(const jax_varlen::AttentionParams&, cudaStream_t);\n")
-        list(APPEND sm90_instantiations "${file}")
-      endforeach()
-    endforeach()
-    add_library(jax_varlen_sm90 OBJECT ${sm90_instantiations})
+    set(sm90_sources "")
+    jax_varlen_instantiate(sm90_sources cuda/sm90/fwd_sm90.cuh jax_varlen::cuda::sm90::run_fwd_sm90
+                           ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets})
+    add_library(jax_varlen_sm90 OBJECT ${sm90_sources})
     target_include_directories(jax_varlen_sm90 PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/ffi" "${CUTLASS_INCLUDE_DIR}")
     target_compile_options(jax_varlen_sm90 PRIVATE --expt-relaxed-constexpr -O3)
     set_target_properties(jax_varlen_sm90 PROPERTIES CUDA_ARCHITECTURES "90a-real" POSITION_INDEPENDENT_CODE ON)
@@ -69,7 +84,7 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
   endif()
 endif()
 
-target_sources(_jax_varlen PRIVATE ffi/cuda/handler.cu ffi/cuda/dispatch.cu ${instantiations} ${sm90_objects})
+target_sources(_jax_varlen PRIVATE ffi/cuda/handler.cu ffi/cuda/dispatch.cu ${sm80_sources} ${sm90_objects})
 target_compile_definitions(_jax_varlen PRIVATE JAX_VARLEN_WITH_CUDA)
 target_compile_options(_jax_varlen PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -O3>)

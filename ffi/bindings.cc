@@ -1,6 +1,8 @@
-// The Python extension: registrations() maps FFI target names to handler capsules, per platform.
+// The Python extension: registrations() maps FFI target names to handler capsules, per platform;
+// constants() gives Python the CUDA path's limits from the headers that define them.
 #include <nanobind/nanobind.h>
 
+#include "cuda/limits.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -31,6 +33,19 @@ NB_MODULE(_jax_varlen, m) {
     platforms["cuda"] = cuda;
 #endif
     return platforms;
+  });
+  // The CUDA path's limits (ffi/cuda/limits.h), also in a CPU-only build: Python decides the
+  // lowering with them, so they must not be repeated there.
+  m.def("constants", []() {
+    namespace c = jax_varlen::cuda;
+    nb::list buckets;
+    for (int d : c::kHeadDimBuckets) buckets.append(d);
+    nb::dict d;
+    d["head_dim_buckets"] = nb::tuple(buckets);  // max(D, Dv) rounds up to one of these
+    d["cuda_max_head_dim"] = c::kMaxHeadDim;     // largest D and Dv of the CUDA kernels
+    d["split_max_seqlen_q"] = c::kSplitMaxSeqlenQ;  // split-KV path for seqlen_q up to this
+    d["split_keys"] = c::kSplitKeys;                // keys per split-KV chunk
+    return d;
   });
   m.attr("with_cuda") =
 #ifdef JAX_VARLEN_WITH_CUDA

@@ -63,6 +63,19 @@ inline ffi::ErrorOr<AttentionParams> make_params(
   p.seqlen_k = kd[1];
   p.kv_num_heads = kd[2];
   p.head_dim_v = vd[3];
+  // Dense row-major layouts (the last dim contiguous); cu_seqlens stay null (padded batch).
+  p.q_head_stride = p.head_dim;
+  p.q_row_stride = p.num_heads * p.q_head_stride;
+  p.q_batch_stride = p.seqlen_q * p.q_row_stride;
+  p.k_head_stride = p.head_dim;
+  p.k_row_stride = p.kv_num_heads * p.k_head_stride;
+  p.k_batch_stride = p.seqlen_k * p.k_row_stride;
+  p.v_head_stride = p.head_dim_v;
+  p.v_row_stride = p.kv_num_heads * p.v_head_stride;
+  p.v_batch_stride = p.seqlen_k * p.v_row_stride;
+  p.out_head_stride = p.head_dim_v;
+  p.out_row_stride = p.num_heads * p.out_head_stride;
+  p.out_batch_stride = p.seqlen_q * p.out_row_stride;
   p.scale = scale;
   p.softcap = softcap;
   p.is_causal = is_causal;
@@ -86,6 +99,49 @@ inline ffi::ErrorOr<AttentionParams> make_params(
   if (ld.size() != 3 || ld[0] != p.batch || ld[1] != p.num_heads || ld[2] != p.seqlen_q)
     return bad("lse has shape " + dims_string(ld));
   if (!(softcap >= 0.0f)) return bad("softcap must be >= 0");
+  return p;
+}
+
+// The backward's buffers (ffi/params.h, BackwardParams): the forward's residuals query, key,
+// value, nonpad_kv_seqlen, out, lse; the cotangents d_out (out's shape and dtype) and d_lse
+// (lse's shape); the gradients d_query, d_key, d_value (their inputs' shapes and dtype) and the
+// delta workspace (lse's shape).
+inline ffi::ErrorOr<BackwardParams> make_bwd_params(
+    ffi::AnyBuffer query, ffi::AnyBuffer key, ffi::AnyBuffer value,
+    ffi::Buffer<ffi::S32> nonpad_kv_seqlen, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse,
+    ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> d_lse, ffi::AnyBuffer d_query,
+    ffi::AnyBuffer d_key, ffi::AnyBuffer d_value, ffi::Buffer<ffi::F32> delta, float scale,
+    bool is_causal, float softcap) {
+  auto fwd = make_params(query, key, value, nonpad_kv_seqlen, out, lse, scale, is_causal, softcap);
+  if (!fwd) return ffi::Unexpected(fwd.error());
+  auto same = [](ffi::AnyBuffer a, ffi::AnyBuffer b) {
+    const auto ad = a.dimensions(), bd = b.dimensions();
+    if (a.element_type() != b.element_type() || ad.size() != bd.size()) return false;
+    for (size_t i = 0; i < ad.size(); ++i)
+      if (ad[i] != bd[i]) return false;
+    return true;
+  };
+  auto bad = [](std::string name, ffi::AnyBuffer::Dimensions got, ffi::AnyBuffer::Dimensions want) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "jax_varlen: " + name + " has shape " + dims_string(got) + ", expected " +
+        dims_string(want) + " in the dtype of its primal"));
+  };
+  if (!same(d_out, out)) return bad("d_out", d_out.dimensions(), out.dimensions());
+  if (!same(d_query, query)) return bad("d_query", d_query.dimensions(), query.dimensions());
+  if (!same(d_key, key)) return bad("d_key", d_key.dimensions(), key.dimensions());
+  if (!same(d_value, value)) return bad("d_value", d_value.dimensions(), value.dimensions());
+  if (d_lse.element_count() != lse.element_count())
+    return bad("d_lse", d_lse.dimensions(), lse.dimensions());
+  if (delta.element_count() != lse.element_count())
+    return bad("delta", delta.dimensions(), lse.dimensions());
+  BackwardParams p{};
+  p.fwd = *fwd;
+  p.d_out = d_out.untyped_data();
+  p.d_lse = d_lse.typed_data();
+  p.d_q = d_query.untyped_data();
+  p.d_k = d_key.untyped_data();
+  p.d_v = d_value.untyped_data();
+  p.delta = delta.typed_data();
   return p;
 }
 

@@ -1,21 +1,19 @@
 // One plain struct that describes a forward attention problem, shared by every handler
-// (CPU and CUDA) and every kernel. Handlers fill it once from the XLA buffers; kernels read it.
+// (CPU and CUDA) and every kernel. Handlers fill it once from the XLA buffers; kernels read it
+// (per sequence through SeqlenInfo, seqlen.h). mask.h comes along: every kernel that reads the
+// params needs the mask predicate too.
 #pragma once
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define JV_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define JV_HOST_DEVICE inline
-#endif
+#include "mask.h"
 
 namespace jax_varlen {
 
 enum class DType : int { kF32, kF16, kBF16 };
 
 struct AttentionParams {
-  // Inputs, dense and row-major (the layout XLA hands the custom call):
+  // Inputs. The last dim is contiguous; the others are given by the element strides below.
   const void* q;                    // [batch, seqlen_q, num_heads, head_dim]
   const void* k;                    // [batch, seqlen_k, kv_num_heads, head_dim]
   const void* v;                    // [batch, seqlen_k, kv_num_heads, head_dim_v]
@@ -24,9 +22,26 @@ struct AttentionParams {
   void* out;   // [batch, seqlen_q, num_heads, head_dim_v], dtype of q
   float* lse;  // [batch, num_heads, seqlen_q], natural log; -inf where no key is allowed
 
+  // Element strides of (batch, row, head). Kernels that walk rows address row r of sequence b
+  // as (SeqlenInfo::q_offset + r) * row_stride, so the tensors are read as stacks of rows
+  // ([batch * seqlen, heads, dim]); the batch stride is for consumers that need the 4-D view
+  // (TMA descriptors). make_params fills the dense layout: batch = seqlen * row, row = heads *
+  // head, head = dim. A packed front door sets batch strides to 0 (one stack of rows).
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t out_batch_stride, out_row_stride, out_head_stride;
+
+  // Packed layout: [batch + 1] cumulative row offsets, starting at 0; sequence b owns query rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]).
+  // nullptr (today): sequence b owns rows [b * seqlen_q, (b + 1) * seqlen_q) and
+  // [b * seqlen_k, (b + 1) * seqlen_k). See SeqlenInfo.
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+
   DType dtype;
   int64_t batch;
-  int64_t seqlen_q;  // Sq: padded query extent
+  int64_t seqlen_q;  // Sq: padded query extent (packed: the longest sequence's query rows)
   int64_t seqlen_k;  // Skv: padded key extent
   int64_t num_heads;
   int64_t kv_num_heads;  // divides num_heads; query head h reads kv head h / (num_heads / kv_num_heads)
@@ -39,6 +54,7 @@ struct AttentionParams {
   // split_keys = 0 selects the one-pass kernels. Layout, rows_pad = ceil(seqlen_q * group / 16) * 16:
   //   o_part   [batch, kv_num_heads, max_splits, rows_pad, head_dim_v] fp32
   //   lse_part [batch, kv_num_heads, max_splits, rows_pad] fp32, right after o_part
+  // (sizes and indices: cuda/common/split_layout.h).
   float* workspace;
   int64_t split_keys;
 
@@ -47,19 +63,24 @@ struct AttentionParams {
   bool is_causal;  // tail-aligned: key j allowed for query i iff j <= i + n - seqlen_q
 };
 
-// Clamp a (possibly invalid, traced) length into [0, seqlen_k]: memory past the buffers is
-// never read, whatever the caller passed.
-JV_HOST_DEVICE int64_t clamp_seqlen(int64_t n, int64_t seqlen_k) {
-  return n < 0 ? 0 : (n > seqlen_k ? seqlen_k : n);
-}
-
-// Number of keys query row i may attend to, given n valid keys: keys [0, limit) are allowed.
-// Worked example, tail-aligned causal, seqlen_q = 4, n = 6: rows 0..3 see 3, 4, 5, 6 keys;
-// with n = 2: rows 0..3 see -1 -> 0, 0, 1, 2 keys (the leading two rows are all-zero).
-JV_HOST_DEVICE int64_t allowed_keys(int64_t i, int64_t n, int64_t seqlen_q, bool is_causal) {
-  if (!is_causal) return n;
-  int64_t limit = i + n - seqlen_q + 1;
-  return limit < 0 ? 0 : (limit > n ? n : limit);
-}
+// The backward of one forward problem: the forward's inputs, out and lse (the residuals), the
+// cotangents, and the gradients. For an allowed key j of query row i (mask.h):
+//   s_ij  = scale * <q_i, k_j>, then with softcap c: t_ij = tanh(s_ij / c), s_ij = c * t_ij
+//   P_ij  = exp(s_ij - lse_i)                  (0 for keys that are not allowed)
+//   delta_i = <d_out_i, out_i> - d_lse_i       (written to `delta`, fp32)
+//   dS_ij = P_ij * (<d_out_i, v_j> - delta_i)   (times 1 - t_ij^2 with softcap)
+//   d_q_i = scale * sum_j dS_ij k_j
+//   d_k_j = scale * sum_i dS_ij q_i,   d_v_j = sum_i P_ij d_out_i
+// d_k and d_v sum over the query heads of the kv head's group. Keys at or past n_b get exactly
+// zero gradient and are never read; rows with no allowed key contribute nothing.
+struct BackwardParams {
+  AttentionParams fwd;  // q, k, v, nonpad_kv_seqlen, out, lse, sizes, strides, scale, mask
+  const void* d_out;    // [batch, seqlen_q, num_heads, head_dim_v], out's strides and dtype
+  const float* d_lse;   // [batch, num_heads, seqlen_q]
+  void* d_q;            // [batch, seqlen_q, num_heads, head_dim], q's strides and dtype
+  void* d_k;            // [batch, seqlen_k, kv_num_heads, head_dim], k's strides
+  void* d_v;            // [batch, seqlen_k, kv_num_heads, head_dim_v], v's strides
+  float* delta;         // [batch, num_heads, seqlen_q] fp32 workspace (an XLA output)
+};
 
 }  // namespace jax_varlen

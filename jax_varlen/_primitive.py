@@ -18,13 +18,20 @@ from jax.interpreters import batching
 from jax_varlen import _checkify, _ffi, _sharding
 from jax_varlen._config import AttentionConfig
 
-# The CUDA kernels take head sizes up to this; smaller ones round up to a bucket (64, 128, 256).
-CUDA_MAX_HEAD_DIM = 256
-# Split-KV (decode) path: used for up to this many queries per sequence, cutting each
-# sequence's keys into chunks of SPLIT_KEYS. The chunk is a constant (never derived from the
-# batch), so a sequence's result does not depend on its batch-mates.
-SPLIT_MAX_SEQLEN_Q = 16
-SPLIT_KEYS = 1024
+# The CUDA path's limits, read from the C++ headers that define them (ffi/cuda/limits.h) through
+# the extension, which exports them in a CPU-only build too. The CUDA kernels take head sizes up
+# to CUDA_MAX_HEAD_DIM (smaller ones round up to a bucket). Split-KV (decode) path: used for up
+# to SPLIT_MAX_SEQLEN_Q queries per sequence, cutting each sequence's keys into chunks of
+# SPLIT_KEYS. The chunk is a constant (never derived from the batch), so a sequence's result does
+# not depend on its batch-mates. In a source tree that was never built they are None: every
+# lowering loads the extension first and raises there.
+try:
+    _CONSTANTS = _ffi.extension().constants()
+except ImportError:
+    _CONSTANTS = {}
+CUDA_MAX_HEAD_DIM = _CONSTANTS.get("cuda_max_head_dim")
+SPLIT_MAX_SEQLEN_Q = _CONSTANTS.get("split_max_seqlen_q")
+SPLIT_KEYS = _CONSTANTS.get("split_keys")
 
 attention_fwd_p = Primitive("jax_varlen_attention_fwd")
 attention_fwd_p.multiple_results = True

@@ -1,14 +1,77 @@
-// Chooses a kernel for one call: the tensor-core kernels (sm_80+, f16/bf16, head sizes that are
-// multiples of 8, 16-byte aligned buffers) with max(D, Dv) rounded up to a bucket -- split-KV
-// when the caller sized a workspace for it (short queries), else one pass: the Hopper kernel
-// on compute capability 9.x when it was built, the mma.sync kernel otherwise -- or the
-// portable SIMT kernel (float32 on an exact fp32 path, odd head sizes).
+// The one dispatch table of the CUDA forward: a path (what the device and the call allow) picks
+// a row of kernels, the dtype and the head-dim bucket pick the entry.
+//
+//   path          device                 takes                                      kernels
+//   sm80 split    compute capability 8+  f16/bf16, D and Dv multiples of 8, 16-byte  sm80::run_fwd_split
+//                                        aligned buffers, the caller sized a split
+//                                        workspace (short queries)
+//   sm90 one pass compute capability 9,  the same, no workspace, strides TMA can     sm90::run_fwd_sm90
+//                 built with sm_90a      take (sm90_takes)
+//   sm80 one pass compute capability 8+  the same, no workspace                     sm80::run_fwd_tc
+//   portable      any                    everything else (float32 on an exact fp32  sm80::run_fwd_simt
+//                                        path, odd head sizes, unaligned buffers)
+#include <array>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "cuda/launch.h"
 
 namespace jax_varlen::cuda {
 namespace {
+
+using FwdFn = cudaError_t (*)(const AttentionParams&, cudaStream_t);
+// A path's kernels: [dtype, in DType order: f32, f16, bf16][head-dim bucket, kHeadDimBuckets].
+using PathKernels = std::array<std::array<FwdFn, kNumHeadDimBuckets>, 3>;
+
+template <typename T> struct ElemTag { using type = T; };
+template <int kDim> using DimTag = std::integral_constant<int, kDim>;
+
+// entry(ElemTag<Elem>, DimTag<kHeadDim>) -> the path's kernel for that dtype and bucket.
+template <typename Elem, typename Entry, size_t... kBucket>
+constexpr std::array<FwdFn, kNumHeadDimBuckets> buckets(Entry entry, std::index_sequence<kBucket...>) {
+  return {entry(ElemTag<Elem>{}, DimTag<kHeadDimBuckets[kBucket]>{})...};
+}
+// A tensor-core path: f16 and bf16 only (float32 never takes one, so its entries stay null).
+template <typename Entry>
+constexpr PathKernels tensor_core_path(Entry entry) {
+  constexpr auto all = std::make_index_sequence<kNumHeadDimBuckets>{};
+  return {{{}, buckets<__half>(entry, all), buckets<__nv_bfloat16>(entry, all)}};
+}
+
+constexpr PathKernels kSm80Split = tensor_core_path(
+    [](auto elem, auto dim) { return &sm80::run_fwd_split<typename decltype(elem)::type, decltype(dim)::value>; });
+constexpr PathKernels kSm80OnePass = tensor_core_path(
+    [](auto elem, auto dim) { return &sm80::run_fwd_tc<typename decltype(elem)::type, decltype(dim)::value>; });
+#if defined(JAX_VARLEN_WITH_SM90)
+constexpr PathKernels kSm90OnePass = tensor_core_path(
+    [](auto elem, auto dim) { return &sm90::run_fwd_sm90<typename decltype(elem)::type, decltype(dim)::value>; });
+
+// The Hopper kernel takes the call: the padded layout (cu_seqlens come with the packed front
+// door), at least one key row (Skv = 0 is all zero rows, left to the sm80 kernel), every stride
+// a multiple of 16 bytes (TMA), and extents and unit counts within its 32-bit coordinates.
+bool sm90_takes(const AttentionParams& p) {
+  if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqlen_k == 0) return false;
+  const int64_t strides[] = {p.q_batch_stride,   p.q_row_stride,   p.q_head_stride,
+                             p.k_batch_stride,   p.k_row_stride,   p.k_head_stride,
+                             p.v_batch_stride,   p.v_row_stride,   p.v_head_stride,
+                             p.out_batch_stride, p.out_row_stride, p.out_head_stride};
+  for (int64_t s : strides)
+    if (s < 0 || s % 8 != 0) return false;  // 8 elements of 2 bytes
+  const int64_t m_blocks = (p.seqlen_q + sm90::kBlockM - 1) / sm90::kBlockM;
+  return p.seqlen_q <= INT32_MAX && p.seqlen_k <= INT32_MAX &&
+         p.batch * p.num_heads * m_blocks <= INT32_MAX;
+}
+#endif
+
+// The portable kernel takes every head size: one entry per dtype, in every bucket.
+constexpr PathKernels kPortable = [] {
+  PathKernels t{};
+  for (auto& e : t[0]) e = &sm80::run_fwd_simt<float>;
+  for (auto& e : t[1]) e = &sm80::run_fwd_simt<__half>;
+  for (auto& e : t[2]) e = &sm80::run_fwd_simt<__nv_bfloat16>;
+  return t;
+}();
 
 // Compute capability major of the current device, read once per device.
 int device_major() {
@@ -22,38 +85,31 @@ int device_major() {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-template <typename Elem>
-cudaError_t run_fwd_typed(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t dim = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
-  const bool tensor_cores = device_major() >= 8 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0 &&
-                            aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out);
-  if (!tensor_cores) return run_fwd_simt<Elem>(p, stream);
+const PathKernels& choose_path(const AttentionParams& p, int major) {
+  const bool tensor_cores = major >= 8 && p.dtype != DType::kF32 && p.head_dim % 8 == 0 &&
+                            p.head_dim_v % 8 == 0 && aligned16(p.q) && aligned16(p.k) &&
+                            aligned16(p.v) && aligned16(p.out);
+  if (!tensor_cores) return kPortable;
+  if (p.split_keys > 0) return kSm80Split;
 #if defined(JAX_VARLEN_WITH_SM90)
-  if (p.split_keys == 0 && device_major() == 9) {
-    if (dim <= 64) return sm90::run_fwd_sm90<Elem, 64>(p, stream);
-    if (dim <= 128) return sm90::run_fwd_sm90<Elem, 128>(p, stream);
-    return sm90::run_fwd_sm90<Elem, 256>(p, stream);
-  }
+  if (major == 9 && sm90_takes(p)) return kSm90OnePass;
 #endif
-  if (p.split_keys > 0) {
-    if (dim <= 64) return run_fwd_split<Elem, 64>(p, stream);
-    if (dim <= 128) return run_fwd_split<Elem, 128>(p, stream);
-    return run_fwd_split<Elem, 256>(p, stream);
-  }
-  if (dim <= 64) return run_fwd_tc<Elem, 64>(p, stream);
-  if (dim <= 128) return run_fwd_tc<Elem, 128>(p, stream);
-  return run_fwd_tc<Elem, 256>(p, stream);
+  return kSm80OnePass;
+}
+
+// First bucket that holds max(D, Dv) (the handler checked it is at most kMaxHeadDim).
+int bucket(const AttentionParams& p) {
+  const int64_t dim = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
+  int i = 0;
+  while (i + 1 < kNumHeadDimBuckets && dim > kHeadDimBuckets[i]) ++i;
+  return i;
 }
 
 }  // namespace
 
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case DType::kF32: return run_fwd_simt<float>(p, stream);
-    case DType::kF16: return run_fwd_typed<__half>(p, stream);
-    case DType::kBF16: return run_fwd_typed<__nv_bfloat16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  const FwdFn fn = choose_path(p, device_major())[int(p.dtype)][bucket(p)];
+  return fn != nullptr ? fn(p, stream) : cudaErrorInvalidValue;
 }
 
 }  // namespace jax_varlen::cuda

@@ -4,14 +4,14 @@
 
 #include <string>
 
-#include "cuda/fwd_split_layout.h"
+#include "cuda/common/split_layout.h"
 #include "cuda/launch.h"
+#include "cuda/limits.h"
 #include "handler_common.h"
 
 namespace jax_varlen {
 namespace {
 
-constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGridYZ = 65535;
 
 ffi::Error attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key,
@@ -30,10 +30,10 @@ ffi::Error attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::An
     return ffi::Error::InvalidArgument(
         "jax_varlen: split-KV workspace has " + std::to_string(workspace->element_count()) +
         " floats, expected " + std::to_string(split_keys > 0 ? cuda::split_workspace_floats(p) : 0));
-  if (p.head_dim > kMaxHeadDim || p.head_dim_v > kMaxHeadDim)
+  if (p.head_dim > cuda::kMaxHeadDim || p.head_dim_v > cuda::kMaxHeadDim)
     return ffi::Error::InvalidArgument(
-        "jax_varlen: CUDA head sizes must be <= 256, got head_dim " + std::to_string(p.head_dim) +
-        " and head_dim_v " + std::to_string(p.head_dim_v));
+        "jax_varlen: CUDA head sizes must be <= " + std::to_string(cuda::kMaxHeadDim) +
+        ", got head_dim " + std::to_string(p.head_dim) + " and head_dim_v " + std::to_string(p.head_dim_v));
   if (p.batch > kMaxGridYZ || p.kv_num_heads > kMaxGridYZ)
     return ffi::Error::InvalidArgument(
         "jax_varlen: CUDA supports batch and kv_num_heads up to 65535, got " +

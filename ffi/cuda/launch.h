@@ -1,31 +1,35 @@
-// Entry points of the CUDA kernels, one instantiation per (dtype, head-dim bucket); each lives
-// in a one-line .cu file that CMake generates (cmake/cuda.cmake), so they compile in parallel.
+// Entry points of the CUDA kernels, by architecture. Each (path, dtype, head-dim bucket) is one
+// instantiation in a one-line .cu file that CMake generates (cmake/cuda.cmake), so they compile
+// in parallel; dispatch.cu holds the one table that chooses among them.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "cuda/limits.h"
 #include "params.h"
 
 namespace jax_varlen::cuda {
 
-// Head-dim buckets of the tensor-core kernel: max(D, Dv) rounds up to one of these.
-constexpr int kHeadDimBuckets[] = {64, 128, 256};
-
+namespace sm80 {
+// mma.sync/ldmatrix/cp.async kernels (sm_80+), Elem __half or __nv_bfloat16, kHeadDim a bucket
+// (limits.h). One pass over the keys:
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_tc(const AttentionParams& p, cudaStream_t stream);
-
 // Split-KV decode path (p.split_keys > 0): partials into p.workspace, then a merge kernel.
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream);
-
+// Portable SIMT kernel (any sm, Elem float, __half or __nv_bfloat16, any head size up to
+// kMaxHeadDim): exact fp32, odd head sizes, unaligned buffers.
 template <typename Elem>
 cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream);
+}  // namespace sm80
 
 namespace sm90 {
-// Hopper path (sm_90a only, ffi/cuda/sm90/): TMA + wgmma, warp-specialized, persistent. Built
-// when CMake finds the CUTLASS headers and sm_90a is among the targets (JAX_VARLEN_WITH_SM90).
+// Hopper one-pass path (sm_90a only, ffi/cuda/sm90/, its own object library), Elem __half or
+// __nv_bfloat16, kHeadDim a bucket. dispatch.cu decides which calls it takes.
+constexpr int kBlockM = 128;  // query rows of one work unit, at every head size
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream);
 }  // namespace sm90

@@ -39,6 +39,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include "cuda/launch.h"
 #include "params.h"
 
 namespace jax_varlen::cuda::sm90 {
@@ -58,7 +59,7 @@ template <typename Element_, int kHeadDim_, int kBlockN_ = default_block_n<kHead
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // bucket of max(D, Dv): 64, 128, 256
-  static constexpr int kBlockM = 128;          // query rows per unit, 64 per consumer warpgroup
+  static constexpr int kBlockM = sm90::kBlockM;  // query rows per unit, 64 per consumer warpgroup
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = 2;
   static constexpr int kConsumerWarpgroups = 2;
@@ -366,7 +367,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     const bool leader = lane == 0;
-    const int seqlen_k_tma = p.seqlen_k > 0 ? int(p.seqlen_k) : 1;
+    const int seqlen_k_tma = int(p.seqlen_k);  // >= 1 (dispatch.cu, sm90_takes)
     Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(int(p.seqlen_q), int(p.head_dim), int(p.num_heads), int(p.batch)));
     Tensor mK = kp.tma_k.get_tma_tensor(make_shape(seqlen_k_tma, int(p.head_dim), int(p.kv_num_heads), int(p.batch)));
     Tensor mVt = kp.tma_v.get_tma_tensor(make_shape(int(p.head_dim_v), seqlen_k_tma, int(p.kv_num_heads), int(p.batch)));
@@ -449,7 +450,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
   Element* out = static_cast<Element*>(p.out);
-  const int64_t o_row = p.num_heads * p.head_dim_v;
   const float kLn2 = 0.6931471805599453f;
 
   if (cwg == 0) named_arrive(kSchedBarrier + 0, Tr::kConsumerThreads);  // warpgroup 0 issues first
@@ -481,15 +481,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       row_of[rr] = row_base + get<0>(cS(2 * rr));
       limit[rr] = row_of[rr] < p.seqlen_q ? int(allowed_keys(row_of[rr], w.n, p.seqlen_q, p.is_causal)) : 0;
     }
-    auto out_row = [&](int rr) { return out + (int64_t(w.b) * p.seqlen_q + row_of[rr]) * o_row + int64_t(w.h) * p.head_dim_v; };
+    Element* out_unit = out + w.b * p.out_batch_stride + w.h * p.out_head_stride;
+    auto out_row = [&](int rr) { return out_unit + row_of[rr] * p.out_row_stride; };
     auto lse_at = [&](int rr) -> float& { return p.lse[(int64_t(w.b) * p.num_heads + w.h) * p.seqlen_q + row_of[rr]]; };
 
     if (w.n_tiles == 0) {  // no row of the unit sees a key: zero rows (16-byte stores), lse = -inf
       const int rows = int(p.seqlen_q - row_base < kBlockM ? p.seqlen_q - row_base : kBlockM);
       const int chunks = int(p.head_dim_v / 8);
-      Element* o = out + (int64_t(w.b) * p.seqlen_q + row_base) * o_row + int64_t(w.h) * p.head_dim_v;
+      Element* o = out_unit + row_base * p.out_row_stride;
       for (int idx = ct; idx < rows * chunks; idx += Tr::kConsumerThreads)
-        *reinterpret_cast<uint4*>(o + (idx / chunks) * o_row + (idx % chunks) * 8) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(o + (idx / chunks) * p.out_row_stride + (idx % chunks) * 8) = make_uint4(0, 0, 0, 0);
       for (int r = ct; r < rows; r += Tr::kConsumerThreads)
         p.lse[(int64_t(w.b) * p.num_heads + w.h) * p.seqlen_q + row_base + r] = -INFINITY;
       continue;
@@ -636,11 +637,12 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Element = typename CutlassElem<Elem>::type;
   using Tr = FwdTraits<Element, kHeadDim>;
-  const int seqlen_k_tma = p.seqlen_k > 0 ? int(p.seqlen_k) : 1;  // never loaded when 0
-  // Dense [B, S, heads, dim] layouts; strides in elements.
-  auto q_stride = make_stride(p.num_heads * p.head_dim, _1{}, p.head_dim, p.seqlen_q * p.num_heads * p.head_dim);
-  auto k_stride = make_stride(p.kv_num_heads * p.head_dim, _1{}, p.head_dim, p.seqlen_k * p.kv_num_heads * p.head_dim);
-  auto v_stride = make_stride(_1{}, p.kv_num_heads * p.head_dim_v, p.head_dim_v, p.seqlen_k * p.kv_num_heads * p.head_dim_v);
+  const int seqlen_k_tma = int(p.seqlen_k);  // >= 1 (dispatch.cu, sm90_takes)
+  // [B, S, heads, dim] views from the params' element strides, which TMA can take
+  // (dispatch.cu, sm90_takes); V is read transposed, (dim, key).
+  auto q_stride = make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride);
+  auto k_stride = make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride);
+  auto v_stride = make_stride(_1{}, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)),
                           make_shape(int(p.seqlen_q), int(p.head_dim), int(p.num_heads), int(p.batch)), q_stride);
   Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)),

@@ -1,14 +1,18 @@
-// Online softmax on the MMA accumulator fragments of one 16-row tile, shared by the
-// tensor-core kernels. Scores live in base 2: z = s * scale * log2(e), or with softcap
-// z = softcap * log2(e) * tanh(s * scale / softcap), so exp becomes one ex2.approx; the
-// running max m is kept in those base-2 units.
+// Online softmax on the mma.sync accumulator fragments of one 16-row tile (the m16n8 layout),
+// used by the sm80 mainloop (sm80/mainloop.h). Scores live in base 2: z = s * scale * log2(e),
+// or with softcap z = softcap * log2(e) * tanh(s * scale / softcap), so exp becomes one
+// ex2.approx; the running max m is kept in those base-2 units.
 #pragma once
 
 #include <cmath>
 
-#include "cuda/tile.h"
-
 namespace jax_varlen::cuda {
+
+__device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx: exp2(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Scale factors of the scores (see above): z = z_scale * s, then z_cap * tanh(z) if softcap.
 struct ScoreScale {

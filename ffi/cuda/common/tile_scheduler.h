@@ -8,25 +8,28 @@
 // of a group instead of 1 useful row out of 16.
 #pragma once
 
-#include "params.h"
+#include "seqlen.h"
 
 namespace jax_varlen::cuda {
 
 struct BlockInfo {
-  int64_t n;          // valid keys of this sequence, clamped into [0, seqlen_k]
+  SeqlenInfo seq;     // the block's sequence: offsets, seqlen_q, valid keys seqlen_k
   int64_t row_begin;  // first packed row of the block
-  int64_t row_end;    // one past the last packed row (<= seqlen_q * group)
+  int64_t row_end;    // one past the last packed row (<= seq.seqlen_q * group)
   int64_t min_limit;  // allowed keys of the block's first row (limits grow with the row)
   int64_t max_limit;  // allowed keys of the block's last row: tiles past it are never loaded
 
-  __device__ BlockInfo(const AttentionParams& p, int64_t b, int64_t m_block, int block_m) {
+  __device__ BlockInfo(const AttentionParams& p, int64_t b, int64_t m_block, int block_m) : seq(p, b) {
     const int64_t group = p.num_heads / p.kv_num_heads;
-    n = clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k);
+    const int64_t rows = seq.seqlen_q * group;
     row_begin = m_block * block_m;
-    row_end = row_begin + block_m < p.seqlen_q * group ? row_begin + block_m : p.seqlen_q * group;
-    min_limit = allowed_keys(row_begin / group, n, p.seqlen_q, p.is_causal);
-    max_limit = allowed_keys((row_end - 1) / group, n, p.seqlen_q, p.is_causal);
+    row_end = row_begin + block_m < rows ? row_begin + block_m : rows;
+    min_limit = allowed_keys(row_begin / group, seq.seqlen_k, seq.seqlen_q, p.is_causal);
+    max_limit = allowed_keys((row_end - 1) / group, seq.seqlen_k, seq.seqlen_q, p.is_causal);
   }
+
+  // True for a block past its sequence's rows (a packed batch's grid covers the longest one).
+  __device__ bool past_end() const { return row_begin >= row_end; }
 };
 
 }  // namespace jax_varlen::cuda

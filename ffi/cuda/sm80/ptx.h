@@ -1,4 +1,5 @@
-// Thin wrappers over the PTX the tensor-core kernel needs (sm_80+): cp.async, ldmatrix, mma.sync.
+// Thin wrappers over the PTX of the sm80 tensor-core kernels (sm_80+): cp.async, ldmatrix,
+// mma.sync, and the packing of fp32 pairs into 16-bit MMA operands.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -6,7 +7,7 @@
 
 #include <cstdint>
 
-namespace jax_varlen::cuda {
+namespace jax_varlen::cuda::sm80 {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -69,4 +70,4 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float x, float y) 
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-}  // namespace jax_varlen::cuda
+}  // namespace jax_varlen::cuda::sm80

@@ -1,6 +1,6 @@
 // Portable forward for what the tensor-core kernel does not take: float32 inputs (exact fp32,
 // no TF32), head sizes that are not a multiple of 8, and unaligned buffers. One warp owns one
-// packed query row (see tile_scheduler.h); lane l holds dims l, l + 32, ... of q and of the
+// packed query row (see common/tile_scheduler.h); lane l holds dims l, l + 32, ... of q and of the
 // output accumulator. Keys are visited in order; a butterfly sum gives every lane the same
 // bits, so the result is deterministic.
 #pragma once
@@ -11,13 +11,13 @@
 
 #include <cmath>
 
-#include "params.h"
+#include "cuda/limits.h"
+#include "seqlen.h"
 
-namespace jax_varlen::cuda {
+namespace jax_varlen::cuda::sm80 {
 
 constexpr int kSimtWarps = 4;
-constexpr int kSimtMaxHeadDim = 256;
-constexpr int kSimtPerLane = kSimtMaxHeadDim / 32;
+constexpr int kSimtPerLane = kMaxHeadDim / 32;  // dims of q and of the accumulator per lane
 
 __device__ __forceinline__ float load_float(const float* p) { return *p; }
 __device__ __forceinline__ float load_float(const __half* p) { return __half2float(*p); }
@@ -27,19 +27,19 @@ template <> __device__ __forceinline__ float store_float<float>(float x) { retur
 
 template <typename Elem>
 __global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_constant__ AttentionParams p) {
-  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t g = blockIdx.y;
   const int64_t group = p.num_heads / p.kv_num_heads;
   const int64_t r = int64_t(blockIdx.x) * kSimtWarps + threadIdx.x / 32;  // packed row
   const int lane = threadIdx.x % 32;
-  if (r >= p.seqlen_q * group) return;
+  const SeqlenInfo seq(p, blockIdx.z);
+  if (r >= seq.seqlen_q * group) return;
   const int64_t i = r / group, h = g * group + r % group;
-  const int64_t n = clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k);
-  const int64_t limit = allowed_keys(i, n, p.seqlen_q, p.is_causal);
+  const int64_t limit = allowed_keys(i, seq.seqlen_k, seq.seqlen_q, p.is_causal);
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
 
-  const Elem* q = static_cast<const Elem*>(p.q) + ((b * p.seqlen_q + i) * p.num_heads + h) * D;
-  const Elem* k = static_cast<const Elem*>(p.k) + (b * p.seqlen_k * p.kv_num_heads + g) * D;
-  const Elem* v = static_cast<const Elem*>(p.v) + (b * p.seqlen_k * p.kv_num_heads + g) * Dv;
+  const Elem* q = static_cast<const Elem*>(p.q) + seq.q_index(p, i, h);
+  const Elem* k = static_cast<const Elem*>(p.k) + seq.k_index(p, 0, g);
+  const Elem* v = static_cast<const Elem*>(p.v) + seq.v_index(p, 0, g);
   float qf[kSimtPerLane], acc[kSimtPerLane];
 #pragma unroll
   for (int c = 0; c < kSimtPerLane; ++c) {
@@ -49,8 +49,8 @@ __global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_
   }
   float m = -INFINITY, l = 0.0f;
   for (int64_t j = 0; j < limit; ++j) {
-    const Elem* kj = k + j * p.kv_num_heads * D;
-    const Elem* vj = v + j * p.kv_num_heads * Dv;
+    const Elem* kj = k + j * p.k_row_stride;
+    const Elem* vj = v + j * p.v_row_stride;
     float dot = 0.0f;
 #pragma unroll
     for (int c = 0; c < kSimtPerLane; ++c)
@@ -68,14 +68,14 @@ __global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_
     for (int c = 0; c < kSimtPerLane; ++c)
       if (lane + 32 * c < Dv) acc[c] = acc[c] * alpha + pj * load_float(vj + lane + 32 * c);
   }
-  Elem* out = static_cast<Elem*>(p.out) + ((b * p.seqlen_q + i) * p.num_heads + h) * Dv;
+  Elem* out = static_cast<Elem*>(p.out) + seq.out_index(p, i, h);
   // "No allowed key" is decided by the row's limit, never by l, so NaN/Inf in real data
   // propagates (SPEC: non-finite real data).
   const float inv = limit > 0 ? 1.0f / l : 0.0f;
 #pragma unroll
   for (int c = 0; c < kSimtPerLane; ++c)
     if (lane + 32 * c < Dv) out[lane + 32 * c] = store_float<Elem>(acc[c] * inv);
-  if (lane == 0) p.lse[(b * p.num_heads + h) * p.seqlen_q + i] = limit > 0 ? m + logf(l) : -INFINITY;
+  if (lane == 0) p.lse[seq.lse_index(p, h, i)] = limit > 0 ? m + logf(l) : -INFINITY;
 }
 
 template <typename Elem>
@@ -87,4 +87,4 @@ cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace jax_varlen::cuda
+}  // namespace jax_varlen::cuda::sm80

@@ -1,0 +1,21 @@
+// Constants of the CUDA path that Python needs too: bindings.cc exports them (constants()) and
+// jax_varlen/_primitive.py reads them from there instead of repeating them. Plain C++ with no
+// CUDA headers, so a CPU-only build exports them as well.
+#pragma once
+
+namespace jax_varlen::cuda {
+
+// Head-dim buckets of the tensor-core kernels: max(D, Dv) rounds up to the first bucket that
+// holds it; each (path, dtype, bucket) is one instantiation (cmake/cuda.cmake).
+constexpr int kHeadDimBuckets[] = {64, 128, 256};
+constexpr int kNumHeadDimBuckets = sizeof(kHeadDimBuckets) / sizeof(kHeadDimBuckets[0]);
+// Largest head size (D and Dv) of every CUDA kernel, the portable one included.
+constexpr int kMaxHeadDim = kHeadDimBuckets[kNumHeadDimBuckets - 1];
+
+// Split-KV (decode) path: taken for f16/bf16 calls with seqlen_q <= kSplitMaxSeqlenQ; each
+// sequence's keys are cut into chunks of kSplitKeys. The chunk is a constant, never derived from
+// the batch, so a sequence's result does not depend on its batch-mates.
+constexpr int kSplitMaxSeqlenQ = 16;
+constexpr int kSplitKeys = 1024;
+
+}  // namespace jax_varlen::cuda

@@ -1,0 +1,105 @@
+// Second kernel of the split-KV path (fwd_split.cuh): merges each packed row's partials --
+// normalized fp32 outputs and base-2 lses, one per split of split_keys keys -- into out and lse,
+// in a fixed order. A row visits exactly the splits that hold one of its allowed keys (its
+// count of allowed keys decides, never a sum), so a row with no allowed key gives exact zeros
+// and lse = -inf, while a NaN partial reaches the row. The sums' shapes depend only on the
+// row's own split count: deterministic and, split_keys being a constant, independent of the
+// batch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "cuda/common/softmax.h"
+#include "cuda/common/split_layout.h"
+#include "seqlen.h"
+
+namespace jax_varlen::cuda::sm80 {
+
+// max that keeps NaN (fmaxf drops it): a NaN partial lse must reach the merged row.
+__device__ __forceinline__ float max_nan(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
+
+// Sum (or max) of one value per thread over the block, in a fixed order: a butterfly inside
+// each warp, then the warps' results in warp order. `red` is kCombineWarps floats of smem.
+constexpr int kCombineWarps = 4;
+template <bool kMax>
+__device__ __forceinline__ float combine_reduce(float x, float* red) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) {
+    const float y = __shfl_xor_sync(0xffffffff, x, mask);
+    x = kMax ? max_nan(x, y) : x + y;
+  }
+  __syncthreads();  // red is free (an earlier reduction's readers are done)
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = red[0];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) x = kMax ? max_nan(x, red[w]) : x + red[w];
+  return x;
+}
+
+// One block per packed row: merges the row's splits into out and lse. Splits are spread over
+// the threads (a long cache has hundreds), but every sum has a fixed shape: warp w accumulates
+// splits w, w + 4, ...; the warps are added in order.
+template <typename Elem, int kHeadDim>
+__global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const __grid_constant__ AttentionParams p) {
+  __shared__ float red[kCombineWarps];
+  __shared__ float part[kCombineWarps][kHeadDim];  // per-warp sums over its splits (Dv <= kHeadDim)
+  const int64_t r = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+  const int64_t group = p.num_heads / p.kv_num_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const SeqlenInfo seq(p, b);
+  if (r >= seq.seqlen_q * group) return;  // packed: past this sequence's rows
+  const int64_t i = r / group, h = g * group + r % group;
+  Elem* out = static_cast<Elem*>(p.out) + seq.out_index(p, i, h);
+  const int64_t limit = allowed_keys(i, seq.seqlen_k, seq.seqlen_q, p.is_causal);
+  const int splits = int((limit + p.split_keys - 1) / p.split_keys);  // splits with a key of this row
+  if (splits == 0) {  // no allowed key: zeros, lse = -inf
+    for (int col = threadIdx.x; col < p.head_dim_v; col += blockDim.x) out[col] = Elem(0.0f);
+    if (threadIdx.x == 0) p.lse[seq.lse_index(p, h, i)] = -INFINITY;
+    return;
+  }
+  const int64_t rows_pad = rows_padded(p);
+  const int64_t first = split_partial(p, b, g, 0, r);
+  const float* o_part = split_o_part(p) + first * p.head_dim_v;  // split s at + s * rows_pad * Dv
+  const float* lse_part = split_lse_part(p) + first;             // split s at + s * rows_pad
+
+  // Weights exp2(lse_s - mx); a partial of weight 0 (lse -inf) has o = 0 and adds nothing. When
+  // every partial is -inf, m_use = 0 keeps the weights 0 and the row gives 0/0 = NaN, lse -inf,
+  // as the one-pass kernel does for a row whose every score is -inf.
+  float mx = -INFINITY;
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = max_nan(mx, lse_part[s * rows_pad]);
+  mx = combine_reduce<true>(mx, red);
+  const float m_use = mx == -INFINITY ? 0.0f : mx;
+  float sum = 0.0f;
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) sum += exp2_approx(lse_part[s * rows_pad] - m_use);
+  sum = combine_reduce<false>(sum, red);
+
+  constexpr int kCols = kHeadDim / 32;  // columns lane, lane + 32, ... of this lane
+  float acc[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
+#pragma unroll 4
+  for (int s = warp; s < splits; s += kCombineWarps) {
+    const float wgt = exp2_approx(lse_part[s * rows_pad] - m_use);
+    const float* o_s = o_part + int64_t(s) * rows_pad * p.head_dim_v;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+      if (lane + 32 * c < p.head_dim_v) acc[c] += wgt * o_s[lane + 32 * c];
+  }
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) part[warp][lane + 32 * c] = acc[c];
+  __syncthreads();
+
+  const float inv = 1.0f / sum;
+  for (int col = threadIdx.x; col < p.head_dim_v; col += blockDim.x) {
+    float total = part[0][col];
+#pragma unroll
+    for (int w = 1; w < kCombineWarps; ++w) total += part[w][col];
+    out[col] = Elem(total * inv);
+  }
+  if (threadIdx.x == 0) p.lse[seq.lse_index(p, h, i)] = (mx + log2f(sum)) * 0.6931471805599453f;
+}
+
+}  // namespace jax_varlen::cuda::sm80

@@ -1,0 +1,171 @@
+// Split-KV forward for short queries (decode, speculative decode): memory-bound, so the goal
+// is to stream each valid K/V byte once with every SM busy.
+//
+// Grid: (split, kv head x 16-row block of packed rows, sequence). Packed rows put the query
+// heads of a kv-head group side by side (tile_scheduler.h), so each K/V byte is read once per
+// kv head. A block takes the keys [split * split_keys, (split + 1) * split_keys) of its
+// sequence, clipped to the block's last allowed key; splits past it exit at once. Inside the
+// block each warp is its own mainloop team (mainloop.h): warp w takes tiles w, w + 4, ...
+// through a private two-stage cp.async ring, with Q held in registers. The four warps' softmax
+// states are merged in shared memory, and the block writes a normalized fp32 partial output
+// and a base-2 lse (layout: common/split_layout.h). fwd_combine_kernel then merges the splits
+// of each row in a fixed order: deterministic, and since split_keys is a constant, independent
+// of the batch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "cuda/common/softmax.h"
+#include "cuda/common/split_layout.h"
+#include "cuda/common/tile_scheduler.h"
+#include "cuda/limits.h"
+#include "cuda/sm80/fwd_combine.cuh"
+#include "cuda/sm80/mainloop.h"
+#include "cuda/sm80/ptx.h"
+#include "cuda/sm80/tile.h"
+
+namespace jax_varlen::cuda::sm80 {
+
+template <int kHeadDim_>
+struct SplitTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = 16;                           // packed rows per block (one MMA tile)
+  static_assert(kRows == 16, "the workspace pads rows to 16-row blocks (rows_padded)");
+  static constexpr int kBlockN = kHeadDim <= 128 ? 32 : 16;  // keys per warp tile
+  // Three 68 KB blocks per SM for D <= 128 (12 warps streaming; registers capped at 170).
+  static constexpr int kMinBlocksPerSm = kHeadDim <= 128 ? 3 : 1;
+  // Each warp is a team with a two-stage ring, Q in registers.
+  using Mainloop = MainloopTraits<kHeadDim, /*kMTiles=*/1, kBlockN, /*kKeyStep=*/kWarps * kBlockN, /*kStages=*/2,
+                                  /*kTeamThreads=*/32, /*kQInRegisters=*/true>;
+  // sQ [kRows, kHeadDim] 16-bit, then the warps' rings. After the loop the ring area holds the
+  // warps' states: o [kWarps, kRows, kHeadDim] fp32, m and l [kWarps, kRows] fp32.
+  static constexpr size_t kRingsBytes = size_t(kWarps) * Mainloop::kRingBytes;
+  static constexpr size_t kMergeBytes = size_t(kWarps) * kRows * (kHeadDim + 2) * 4;
+  static constexpr size_t kSmemBytes =
+      size_t(kRows) * kHeadDim * 2 + (kRingsBytes > kMergeBytes ? kRingsBytes : kMergeBytes);
+  // A full split gives every warp the same number of tiles.
+  static_assert(kSplitKeys % (kWarps * kBlockN) == 0);
+};
+
+template <typename Elem, int kHeadDim, bool kSoftcap>
+__global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<kHeadDim>::kMinBlocksPerSm)
+    fwd_split_kernel(const __grid_constant__ AttentionParams p) {
+  using Tr = SplitTraits<kHeadDim>;
+  using Ml = typename Tr::Mainloop;
+  constexpr int kDT = kHeadDim / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem);
+  Elem* rings = sQ + Tr::kRows * kHeadDim;
+
+  const int64_t split = blockIdx.x, g = blockIdx.y % p.kv_num_heads, rb = blockIdx.y / p.kv_num_heads;
+  const int64_t b = blockIdx.z;
+  const int64_t group = p.num_heads / p.kv_num_heads;
+  const BlockInfo blk(p, b, rb, Tr::kRows);
+  if (blk.past_end()) return;
+  const SeqlenInfo& seq = blk.seq;
+  const int64_t key_begin = split * p.split_keys;
+  const int64_t key_end = blk.max_limit < key_begin + p.split_keys ? blk.max_limit : key_begin + p.split_keys;
+  if (key_begin >= key_end) return;  // past this row block's last allowed key: never merged
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  // Q tile: packed rows -> (query position, head), zeros past the last row and past head_dim.
+  const Elem* q = static_cast<const Elem*>(p.q);
+  load_tile<kHeadDim, Tr::kRows, Tr::kThreads>(sQ, q, p.head_dim, threadIdx.x, [&](int row) {
+    const int64_t r = blk.row_begin + row;
+    return r < blk.row_end ? q + seq.q_index(p, r / group, g * group + r % group) : nullptr; });
+  cp_async_commit();
+
+  // Allowed keys of this thread's rows lane/4 and lane/4 + 8, clipped to the split: keys at or
+  // past key_end belong to the next split. Whether a row has a key in this split at all is
+  // decided by its limit, never by a sum (SPEC: non-finite real data propagates); the merge
+  // below reads it from has_keys.
+  __shared__ bool has_keys[Tr::kRows];
+  int limit[1][2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t r = blk.row_begin + lane / 4 + 8 * rr;
+    const int64_t row_limit = r < blk.row_end ? allowed_keys(r / group, seq.seqlen_k, seq.seqlen_q, p.is_causal) : 0;
+    limit[0][rr] = int(row_limit < key_end ? row_limit : key_end);
+    if (warp == 0 && (lane & 3) == 0) has_keys[lane / 4 + 8 * rr] = row_limit > key_begin;
+  }
+  const int min_limit = int(blk.min_limit < key_end ? blk.min_limit : key_end);
+
+  const KvSource<Elem> kv{p, seq.k_offset, int(g)};
+  const KeyTiles keys{int(key_begin) + warp * Tr::kBlockN, int(key_end)};  // warp w: tiles w, w + 4, ...
+  Accumulators<Ml> acc;
+  mainloop<Ml, kSoftcap>(sQ, 0, rings + warp * (Ml::kRingBytes / sizeof(Elem)), kv, keys, limit, min_limit,
+                         ScoreScale(p.scale, p.softcap), acc);
+
+  // Merge the four warps: each writes (m, l, o) of its 16 rows, then the block combines.
+  cp_async_wait_all();
+  __syncthreads();
+  float* so = reinterpret_cast<float*>(rings);         // [kWarps, kRows, kHeadDim]
+  float* sm = so + Tr::kWarps * Tr::kRows * kHeadDim;  // [kWarps, kRows]
+  float* sl = sm + Tr::kWarps * Tr::kRows;             // [kWarps, kRows]
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float sum = acc.l[0][rr];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const int row = lane / 4 + 8 * rr;
+    if ((lane & 3) == 0) {
+      sm[warp * Tr::kRows + row] = acc.m[0][rr];
+      sl[warp * Tr::kRows + row] = sum;
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      const int col = dt * 8 + 2 * (lane & 3);
+      so[(warp * Tr::kRows + row) * kHeadDim + col] = acc.o[0][dt][2 * rr];
+      so[(warp * Tr::kRows + row) * kHeadDim + col + 1] = acc.o[0][dt][2 * rr + 1];
+    }
+  }
+  __syncthreads();
+
+  const int64_t part = split_partial(p, b, g, split, blk.row_begin);
+  float* o_part = split_o_part(p) + part * p.head_dim_v;
+  float* lse_part = split_lse_part(p) + part;
+  const int rows_here = int(blk.row_end - blk.row_begin);  // padding rows are never read
+  for (int idx = threadIdx.x; idx < rows_here * p.head_dim_v; idx += Tr::kThreads) {
+    const int row = idx / int(p.head_dim_v), col = idx % int(p.head_dim_v);
+    if (!has_keys[row]) continue;  // never read: the combine visits a row's own splits only
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) mx = fmaxf(mx, sm[w * Tr::kRows + row]);
+    // A warp that saw no allowed key has l = 0 and m = -inf: weight 0. NaN in real data keeps
+    // sum and o NaN, and the combine propagates it. A sum of exactly 0 (every score of the
+    // split -inf, e.g. from an Inf key) is a partial of weight 0: lse -inf, and o 0 rather
+    // than 0/0, so that it adds nothing to a row whose other splits have keys.
+    const float m_use = mx == -INFINITY ? 0.0f : mx;
+    float sum = 0.0f, o = 0.0f;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float wgt = exp2_approx(sm[w * Tr::kRows + row] - m_use);
+      sum += sl[w * Tr::kRows + row] * wgt;
+      o += so[(w * Tr::kRows + row) * kHeadDim + col] * wgt;
+    }
+    o_part[int64_t(row) * p.head_dim_v + col] = sum == 0.0f ? 0.0f : o / sum;
+    if (col == 0) lse_part[row] = mx + log2f(sum);
+  }
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream) {
+  using Tr = SplitTraits<kHeadDim>;
+  const int64_t group = p.num_heads / p.kv_num_heads;
+  const int64_t row_blocks = rows_padded(p) / Tr::kRows;
+  const dim3 grid(unsigned(max_splits(p)), unsigned(p.kv_num_heads * row_blocks), unsigned(p.batch));
+  auto kernel = p.softcap > 0.0f ? fwd_split_kernel<Elem, kHeadDim, true> : fwd_split_kernel<Elem, kHeadDim, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes));
+  if (err != cudaSuccess) return err;
+  if (grid.x > 0) kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);  // Skv = 0: merge only
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  const dim3 combine_grid(unsigned(p.seqlen_q * group), unsigned(p.kv_num_heads), unsigned(p.batch));
+  fwd_combine_kernel<Elem, kHeadDim><<<combine_grid, 32 * kCombineWarps, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_varlen::cuda::sm80
