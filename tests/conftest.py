@@ -60,6 +60,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 # --------------------------------------------------------------------------------------------
+# One suite for every backend: a test that takes the ``backend`` fixture runs once on the CPU
+# and once on the GPU (marked ``gpu``, so skipped above when there is none), with that
+# backend's first device as jax's default device for the whole test: inputs made inside the
+# test live there and the op runs there.
+
+BACKENDS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    with jax.default_device(jax.devices(request.param)[0]):
+        yield request.param
+
+
+# --------------------------------------------------------------------------------------------
 # Inputs.
 
 
