@@ -18,11 +18,17 @@ string(REGEX MATCHALL "[0-9]+" head_dim_buckets "${buckets_line}")
 
 set(instantiation_dir "${CMAKE_CURRENT_BINARY_DIR}/instantiations")
 
-# jax_varlen_instantiate(<list> <header> <function> ELEMS <ctype:tag>... [DIMS <bucket>...])
+# jax_varlen_instantiate(<list> <header> <function> ELEMS <ctype:tag>... [DIMS <bucket>...]
+#                        [PARAMS <struct>])
 # writes one .cu file per dtype (and head-dim bucket, when DIMS is given) that instantiates the
-# entry point <function><ctype[, bucket]> defined in <header>, and appends the files to <list>.
+# entry point <function><ctype[, bucket]>(const <struct>&, cudaStream_t) defined in <header>
+# (struct: AttentionParams unless given, BackwardParams for the backward), and appends the files
+# to <list>.
 function(jax_varlen_instantiate out_var header function)
-  cmake_parse_arguments(PARSE_ARGV 3 arg "" "" "ELEMS;DIMS")
+  cmake_parse_arguments(PARSE_ARGV 3 arg "" "PARAMS" "ELEMS;DIMS")
+  if(NOT arg_PARAMS)
+    set(arg_PARAMS AttentionParams)
+  endif()
   string(REGEX REPLACE ".*::" "" name "${function}")
   set(files ${${out_var}})
   foreach(elem IN LISTS arg_ELEMS)
@@ -43,7 +49,7 @@ function(jax_varlen_instantiate out_var header function)
       list(GET variant 1 suffix)
       set(file "${instantiation_dir}/${name}_${suffix}.cu")
       file(CONFIGURE OUTPUT "${file}" CONTENT
-        "#include \"${header}\"\ntemplate cudaError_t ${function}<${targs}>(const jax_varlen::AttentionParams&, cudaStream_t);\n")
+        "#include \"${header}\"\ntemplate cudaError_t ${function}<${targs}>(const jax_varlen::${arg_PARAMS}&, cudaStream_t);\n")
       list(APPEND files "${file}")
     endforeach()
   endforeach()
@@ -59,6 +65,10 @@ jax_varlen_instantiate(sm80_sources cuda/sm80/fwd_split.cuh jax_varlen::cuda::sm
                        ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets})
 jax_varlen_instantiate(sm80_sources cuda/sm80/fwd_simt.cuh jax_varlen::cuda::sm80::run_fwd_simt
                        ELEMS "float:f32" ${tensor_core_elems})
+jax_varlen_instantiate(sm80_sources cuda/sm80/bwd_tc.cuh jax_varlen::cuda::sm80::run_bwd_tc
+                       ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets} PARAMS BackwardParams)
+jax_varlen_instantiate(sm80_sources cuda/sm80/bwd_simt.cuh jax_varlen::cuda::sm80::run_bwd_simt
+                       ELEMS "float:f32" ${tensor_core_elems} PARAMS BackwardParams)
 
 # The Hopper path (ffi/cuda/sm90/): CuTe/CUTLASS headers from the nvidia-cutlass package (a build
 # requirement), compiled for sm_90a only, as its own object library, when 90a is a target.

@@ -10,6 +10,7 @@ namespace nb = nanobind;
 extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cpu(XLA_FFI_CallFrame*);
 #ifdef JAX_VARLEN_WITH_CUDA
 extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cuda(XLA_FFI_CallFrame*);
 #endif
 
 namespace {
@@ -30,6 +31,7 @@ NB_MODULE(_jax_varlen, m) {
 #ifdef JAX_VARLEN_WITH_CUDA
     nb::dict cuda;
     cuda["jax_varlen_attention_fwd_cuda"] = capsule(jax_varlen_attention_fwd_cuda);
+    cuda["jax_varlen_attention_bwd_cuda"] = capsule(jax_varlen_attention_bwd_cuda);
     platforms["cuda"] = cuda;
 #endif
     return platforms;

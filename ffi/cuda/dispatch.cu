@@ -1,6 +1,7 @@
-// The one dispatch table of the CUDA forward: a path (what the device and the call allow) picks
-// a row of kernels, the dtype and the head-dim bucket pick the entry.
+// The one dispatch table of the CUDA kernels, forward and backward: a path (what the device and
+// the call allow) picks a row of kernels, the dtype and the head-dim bucket pick the entry.
 //
+// Forward:
 //   path          device                 takes                                      kernels
 //   sm80 split    compute capability 8+  f16/bf16, D and Dv multiples of 8, 16-byte  sm80::run_fwd_split
 //                                        aligned buffers, the caller sized a split
@@ -10,33 +11,51 @@
 //   sm80 one pass compute capability 8+  the same, no workspace                     sm80::run_fwd_tc
 //   portable      any                    everything else (float32 on an exact fp32  sm80::run_fwd_simt
 //                                        path, odd head sizes, unaligned buffers)
+// Backward (after common/bwd_preprocess.cuh, for every path):
+//   sm80 tensor   compute capability 8+  f16/bf16, D and Dv multiples of 8, 16-byte  sm80::run_bwd_tc
+//   cores                                aligned buffers
+//   portable      any                    everything else                            sm80::run_bwd_simt
 #include <array>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
 
+#include "cuda/common/bwd_preprocess.cuh"
 #include "cuda/launch.h"
 
 namespace jax_varlen::cuda {
 namespace {
 
 using FwdFn = cudaError_t (*)(const AttentionParams&, cudaStream_t);
+using BwdFn = cudaError_t (*)(const BackwardParams&, cudaStream_t);
 // A path's kernels: [dtype, in DType order: f32, f16, bf16][head-dim bucket, kHeadDimBuckets].
-using PathKernels = std::array<std::array<FwdFn, kNumHeadDimBuckets>, 3>;
+template <typename Fn>
+using PathTable = std::array<std::array<Fn, kNumHeadDimBuckets>, 3>;
+using PathKernels = PathTable<FwdFn>;
+using BwdPathKernels = PathTable<BwdFn>;
 
 template <typename T> struct ElemTag { using type = T; };
 template <int kDim> using DimTag = std::integral_constant<int, kDim>;
 
 // entry(ElemTag<Elem>, DimTag<kHeadDim>) -> the path's kernel for that dtype and bucket.
-template <typename Elem, typename Entry, size_t... kBucket>
-constexpr std::array<FwdFn, kNumHeadDimBuckets> buckets(Entry entry, std::index_sequence<kBucket...>) {
+template <typename Fn, typename Elem, typename Entry, size_t... kBucket>
+constexpr std::array<Fn, kNumHeadDimBuckets> buckets(Entry entry, std::index_sequence<kBucket...>) {
   return {entry(ElemTag<Elem>{}, DimTag<kHeadDimBuckets[kBucket]>{})...};
 }
 // A tensor-core path: f16 and bf16 only (float32 never takes one, so its entries stay null).
-template <typename Entry>
-constexpr PathKernels tensor_core_path(Entry entry) {
+template <typename Fn = FwdFn, typename Entry>
+constexpr PathTable<Fn> tensor_core_path(Entry entry) {
   constexpr auto all = std::make_index_sequence<kNumHeadDimBuckets>{};
-  return {{{}, buckets<__half>(entry, all), buckets<__nv_bfloat16>(entry, all)}};
+  return {{{}, buckets<Fn, __half>(entry, all), buckets<Fn, __nv_bfloat16>(entry, all)}};
+}
+// A path of one kernel per dtype whatever the head size (the portable ones).
+template <typename Fn>
+constexpr PathTable<Fn> every_bucket(Fn f32, Fn f16, Fn bf16) {
+  PathTable<Fn> t{};
+  for (auto& e : t[0]) e = f32;
+  for (auto& e : t[1]) e = f16;
+  for (auto& e : t[2]) e = bf16;
+  return t;
 }
 
 constexpr PathKernels kSm80Split = tensor_core_path(
@@ -64,14 +83,15 @@ bool sm90_takes(const AttentionParams& p) {
 }
 #endif
 
-// The portable kernel takes every head size: one entry per dtype, in every bucket.
-constexpr PathKernels kPortable = [] {
-  PathKernels t{};
-  for (auto& e : t[0]) e = &sm80::run_fwd_simt<float>;
-  for (auto& e : t[1]) e = &sm80::run_fwd_simt<__half>;
-  for (auto& e : t[2]) e = &sm80::run_fwd_simt<__nv_bfloat16>;
-  return t;
-}();
+// The portable kernels take every head size: one entry per dtype, in every bucket.
+constexpr PathKernels kPortable = every_bucket<FwdFn>(&sm80::run_fwd_simt<float>, &sm80::run_fwd_simt<__half>,
+                                                      &sm80::run_fwd_simt<__nv_bfloat16>);
+constexpr BwdPathKernels kBwdSm80 = tensor_core_path<BwdFn>(
+    [](auto elem, auto dim) { return &sm80::run_bwd_tc<typename decltype(elem)::type, decltype(dim)::value>; });
+constexpr BwdPathKernels kBwdPortable = every_bucket<BwdFn>(
+    &sm80::run_bwd_simt<float>, &sm80::run_bwd_simt<__half>, &sm80::run_bwd_simt<__nv_bfloat16>);
+constexpr BwdFn kBwdPreprocess[] = {&run_bwd_preprocess<float>, &run_bwd_preprocess<__half>,
+                                    &run_bwd_preprocess<__nv_bfloat16>};
 
 // Compute capability major of the current device, read once per device.
 int device_major() {
@@ -85,11 +105,14 @@ int device_major() {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// The tensor-core kernels' common condition: 16-bit inputs in 16-byte chunks.
+bool tensor_cores(const AttentionParams& p, int major) {
+  return major >= 8 && p.dtype != DType::kF32 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0 &&
+         aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out);
+}
+
 const PathKernels& choose_path(const AttentionParams& p, int major) {
-  const bool tensor_cores = major >= 8 && p.dtype != DType::kF32 && p.head_dim % 8 == 0 &&
-                            p.head_dim_v % 8 == 0 && aligned16(p.q) && aligned16(p.k) &&
-                            aligned16(p.v) && aligned16(p.out);
-  if (!tensor_cores) return kPortable;
+  if (!tensor_cores(p, major)) return kPortable;
   if (p.split_keys > 0) return kSm80Split;
 #if defined(JAX_VARLEN_WITH_SM90)
   if (major == 9 && sm90_takes(p)) return kSm90OnePass;
@@ -110,6 +133,19 @@ int bucket(const AttentionParams& p) {
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   const FwdFn fn = choose_path(p, device_major())[int(p.dtype)][bucket(p)];
   return fn != nullptr ? fn(p, stream) : cudaErrorInvalidValue;
+}
+
+cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream) {
+  const AttentionParams& p = bp.fwd;
+  const bool tc = tensor_cores(p, device_major()) && aligned16(bp.d_out) && aligned16(bp.d_q) &&
+                  aligned16(bp.d_k) && aligned16(bp.d_v);
+  const BwdFn fn = (tc ? kBwdSm80 : kBwdPortable)[int(p.dtype)][bucket(p)];
+  if (fn == nullptr) return cudaErrorInvalidValue;
+  if (p.seqlen_q * p.num_heads > 0) {  // delta; nothing to do without query rows
+    const cudaError_t err = kBwdPreprocess[int(p.dtype)](bp, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return fn(bp, stream);
 }
 
 }  // namespace jax_varlen::cuda

@@ -1,5 +1,6 @@
-// XLA FFI handler of the CUDA forward. Lengths stay on the device (kernels read them), nothing
-// is allocated and nothing synchronizes, so XLA may capture the call into a CUDA graph.
+// XLA FFI handlers of the CUDA forward and backward. Lengths stay on the device (kernels read
+// them), nothing is allocated and nothing synchronizes, so XLA may capture the calls into a CUDA
+// graph.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -13,6 +14,8 @@ namespace jax_varlen {
 namespace {
 
 constexpr int64_t kMaxGridYZ = 65535;
+
+ffi::Error check_cuda_limits(const AttentionParams& p);
 
 ffi::Error attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key,
                               ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
@@ -30,6 +33,17 @@ ffi::Error attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::An
     return ffi::Error::InvalidArgument(
         "jax_varlen: split-KV workspace has " + std::to_string(workspace->element_count()) +
         " floats, expected " + std::to_string(split_keys > 0 ? cuda::split_workspace_floats(p) : 0));
+  if (auto err = check_cuda_limits(p); err.failure()) return err;
+  if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return ffi::Error::Success();
+  const cudaError_t err = cuda::run_fwd(p, stream);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_varlen: CUDA forward failed: ") +
+                                cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+// Limits shared by both directions: head sizes of the kernels, grid y/z extents.
+ffi::Error check_cuda_limits(const AttentionParams& p) {
   if (p.head_dim > cuda::kMaxHeadDim || p.head_dim_v > cuda::kMaxHeadDim)
     return ffi::Error::InvalidArgument(
         "jax_varlen: CUDA head sizes must be <= " + std::to_string(cuda::kMaxHeadDim) +
@@ -38,11 +52,27 @@ ffi::Error attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::An
     return ffi::Error::InvalidArgument(
         "jax_varlen: CUDA supports batch and kv_num_heads up to 65535, got " +
         std::to_string(p.batch) + " and " + std::to_string(p.kv_num_heads));
-  if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return ffi::Error::Success();
-  const cudaError_t err = cuda::run_fwd(p, stream);
+  return ffi::Error::Success();
+}
+
+// The backward (params.h, BackwardParams): d_query, d_key, d_value and the delta workspace.
+// Every element of the gradients is written, padded keys' rows with zeros.
+ffi::Error attention_bwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key,
+                              ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
+                              ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
+                              ffi::Buffer<ffi::F32> d_lse, ffi::Result<ffi::AnyBuffer> d_query,
+                              ffi::Result<ffi::AnyBuffer> d_key, ffi::Result<ffi::AnyBuffer> d_value,
+                              ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale, bool is_causal,
+                              float softcap) {
+  auto params = make_bwd_params(query, key, value, nonpad_kv_seqlen, out, lse, d_out, d_lse, *d_query,
+                                *d_key, *d_value, *delta, scale, is_causal, softcap);
+  if (!params) return params.error();
+  const BackwardParams& bp = *params;
+  if (auto err = check_cuda_limits(bp.fwd); err.failure()) return err;
+  if (bp.fwd.batch == 0 || bp.fwd.num_heads == 0) return ffi::Error::Success();
+  const cudaError_t err = cuda::run_bwd(bp, stream);
   if (err != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_varlen: CUDA forward failed: ") +
-                                cudaGetErrorString(err));
+    return ffi::Error::Internal(std::string("jax_varlen: CUDA backward failed: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -64,4 +94,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("is_causal")                        // tail-aligned causal mask
         .Attr<float>("softcap")                         // 0 = off
         .Attr<int64_t>("split_keys"),                   // 0 = one pass; else keys per split
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_varlen_attention_bwd_cuda, jax_varlen::attention_bwd_cuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this computation
+        .Arg<xla::ffi::AnyBuffer>()                     // query [B, Sq, H, D]
+        .Arg<xla::ffi::AnyBuffer>()                     // key [B, Skv, Hkv, D]
+        .Arg<xla::ffi::AnyBuffer>()                     // value [B, Skv, Hkv, Dv]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // nonpad_kv_seqlen [B], on the device
+        .Arg<xla::ffi::AnyBuffer>()                     // out [B, Sq, H, Dv]
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [B, H, Sq]
+        .Arg<xla::ffi::AnyBuffer>()                     // d_out [B, Sq, H, Dv]
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // d_lse [B, H, Sq]
+        .Ret<xla::ffi::AnyBuffer>()                     // d_query [B, Sq, H, D]
+        .Ret<xla::ffi::AnyBuffer>()                     // d_key [B, Skv, Hkv, D]
+        .Ret<xla::ffi::AnyBuffer>()                     // d_value [B, Skv, Hkv, Dv]
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [B, H, Sq]: workspace
+        .Attr<float>("scale")                           // multiplies <q, k>
+        .Attr<bool>("is_causal")                        // tail-aligned causal mask
+        .Attr<float>("softcap"),                        // 0 = off
     {xla::ffi::Traits::kCmdBufferCompatible});

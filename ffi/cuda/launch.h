@@ -24,6 +24,12 @@ cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream);
 // kMaxHeadDim): exact fp32, odd head sizes, unaligned buffers.
 template <typename Elem>
 cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream);
+// Backward, after the preprocess (common/bwd_preprocess.cuh) wrote bp.delta. Tensor cores:
+// dK/dV and dQ kernels (bwd_tc.cuh); portable: the same two on SIMT, exact fp32 (bwd_simt.cuh).
+template <typename Elem, int kHeadDim>
+cudaError_t run_bwd_tc(const BackwardParams& bp, cudaStream_t stream);
+template <typename Elem>
+cudaError_t run_bwd_simt(const BackwardParams& bp, cudaStream_t stream);
 }  // namespace sm80
 
 namespace sm90 {
@@ -34,7 +40,8 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream);
 }  // namespace sm90
 
-// Picks the kernel for p on the current device and launches it on stream.
+// Pick the kernels for the call on the current device and launch them on stream.
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
+cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream);
 
 }  // namespace jax_varlen::cuda

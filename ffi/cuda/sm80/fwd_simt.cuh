@@ -11,6 +11,7 @@
 
 #include <cmath>
 
+#include "cuda/common/convert.h"
 #include "cuda/limits.h"
 #include "seqlen.h"
 
@@ -18,12 +19,6 @@ namespace jax_varlen::cuda::sm80 {
 
 constexpr int kSimtWarps = 4;
 constexpr int kSimtPerLane = kMaxHeadDim / 32;  // dims of q and of the accumulator per lane
-
-__device__ __forceinline__ float load_float(const float* p) { return *p; }
-__device__ __forceinline__ float load_float(const __half* p) { return __half2float(*p); }
-__device__ __forceinline__ float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-template <typename Elem> __device__ __forceinline__ Elem store_float(float x) { return Elem(x); }
-template <> __device__ __forceinline__ float store_float<float>(float x) { return x; }
 
 template <typename Elem>
 __global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_constant__ AttentionParams p) {
