@@ -14,7 +14,8 @@
 #   SWEEP_S (240) NCU_S (200); TEST_FILES (default tests/test_gpu_*.py; paths from the repo
 #   root), PYTEST_K (-k); SHAPES (bench), TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more
 #   bench.py flags, e.g. --quick), STEP_S (train: timing bound per measurement, default 15);
-#   NCU_SHAPES, NCU_REGEX; OUT (output folder, default /tmp/out).
+#   NCU_SHAPES, NCU_REGEX, NCU_GRAD (non-empty: profile gradients, e.g. with
+#   NCU_REGEX=regex:bwd_); OUT (output folder, default /tmp/out).
 # A folder .whl/ in the repository root (carried to the device) is installed first, into
 # /tmp/site with --no-deps: flash-attn3-jax (the FA3 peer) and nvidia-cutlass (the CUTLASS/CuTe
 # headers the sm_90a build finds through `import cutlass_library`).
@@ -86,7 +87,7 @@ for stage in $STAGES; do
         --launch-count 4 --section SpeedOfLight --section Occupancy \
         --section WarpStateStats --section SchedulerStats --section LaunchStats \
         --section MemoryWorkloadAnalysis \
-        python3 "$R/benchmarks/ncu_case.py" ${NCU_SHAPES:-d128-full decode-full} \
+        python3 "$R/benchmarks/ncu_case.py" ${NCU_GRAD:+--grad} ${NCU_SHAPES:-d128-full decode-full} \
         >"$OUT/ncu.log" 2>&1
       grep -E "^  [A-Za-z0-9_]+_kernel|Duration|Throughput|Warp Cycles Per Issued|Achieved Occ|Registers" \
         "$OUT/ncu.log" | head -48 ;;
