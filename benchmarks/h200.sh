@@ -2,7 +2,8 @@
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
 #   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [ncu]   (default: tests bench)
-# Stages: tests = the GPU test files; bench = every named non-decode shape forward (bf16, plus
+# Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
+# GPU-only files tests/test_gpu_*.py); bench = every named non-decode shape forward (bf16, plus
 # f16 of d128-full and d128-skewed), jax_varlen / cuDNN / FA3 / XLA; train = train + bwd records
 # (jax_varlen / cuDNN / FA3) on the six training shapes; decode = the decode shapes; sweep = the
 # decode sweep; ncu = Nsight Compute on one call of each forward kernel.
@@ -10,12 +11,13 @@
 # limit is cut to what is left, a stage with under 30 s left is skipped, and bench.py is told
 # to stop starting measurements in time to write its files (they are rewritten after every
 # shape, so a stage cut short keeps what finished).
-# Env: TOTAL_S; stage limits TESTS_S (200) BENCH_S (270) TRAIN_S (400) DECODE_S (120)
-#   SWEEP_S (240) NCU_S (200); TEST_FILES (default tests/test_gpu_*.py; paths from the repo
-#   root), PYTEST_K (-k); SHAPES (bench), TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more
-#   bench.py flags, e.g. --quick), STEP_S (train: timing bound per measurement, default 15);
-#   NCU_SHAPES, NCU_REGEX, NCU_GRAD (non-empty: profile gradients, e.g. with
-#   NCU_REGEX=regex:bwd_); OUT (output folder, default /tmp/out).
+# Env: TOTAL_S; stage limits TESTS_S (300) BENCH_S (270) TRAIN_S (400) DECODE_S (120)
+#   SWEEP_S (240) NCU_S (200); TEST_FILES (default tests; files or folders, from the repo
+#   root), PYTEST_M (-m, default gpu; empty for every test), PYTEST_K (-k); SHAPES (bench),
+#   TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more bench.py flags, e.g. --quick), STEP_S
+#   (train: timing bound per measurement, default 15); NCU_SHAPES, NCU_REGEX, NCU_GRAD
+#   (non-empty: profile gradients, e.g. with NCU_REGEX=regex:bwd_); OUT (output folder,
+#   default /tmp/out).
 # A folder .whl/ in the repository root (carried to the device) is installed first, into
 # /tmp/site with --no-deps: flash-attn3-jax (the FA3 peer) and nvidia-cutlass (the CUTLASS/CuTe
 # headers the sm_90a build finds through `import cutlass_library`).
@@ -60,10 +62,10 @@ python3 -c "import jax, jax_varlen; print('jax', jax.__version__, jax.devices()[
 for stage in $STAGES; do
   t0=$(date +%s)
   case $stage in
-    tests) L=$(limit "${TESTS_S:-200}") || { echo "tests: skipped (time)"; continue; }
-      files=${TEST_FILES:-tests/test_gpu_*.py}
+    tests) L=$(limit "${TESTS_S:-300}") || { echo "tests: skipped (time)"; continue; }
+      files=${TEST_FILES:-tests}
       timeout "$L" python3 -m pytest $(cd "$R" && for f in $files; do echo "$R/$f"; done) \
-        -q -rP -p no:cacheprovider --durations=5 -k "${PYTEST_K:-}" 2>&1 \
+        -q -rP -p no:cacheprovider --durations=5 -m "${PYTEST_M-gpu}" -k "${PYTEST_K:-}" 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -12 ;;
     bench) L=$(limit "${BENCH_S:-270}") || { echo "bench: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/bench.py" --out "$OUT" --passes fwd \

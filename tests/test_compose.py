@@ -1,10 +1,12 @@
-"""Gradients compose with JAX's transformations in every order users write them (CPU).
+"""Gradients compose with JAX's transformations in every order users write them, on every
+backend (the ``backend`` fixture).
 
 Each program is written once over an attention function and run twice: with
 ``jax_varlen.attention`` and with ``jax_varlen.reference`` (the dense oracle, differentiated
-by JAX itself); values and gradients must agree. The unsupported transformations (forward
-mode, grad of grad, symbolic non-batch dimensions) must fail with our messages.
-shard_map with grad inside runs on 8 devices in multi_device_cases.py.
+by JAX itself, its dots at the highest precision on any device); values and gradients must
+agree. The unsupported transformations (forward mode, grad of grad, symbolic non-batch
+dimensions) must fail with our messages; those fail while tracing, whatever the device, so
+they run once. shard_map with grad inside runs on 8 devices in multi_device_cases.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_varlen
-from conftest import bits, make_inputs
+from conftest import EXPORT_PLATFORM, bits, make_inputs
 
 # GQA, causal with a sequence shorter than Sq (empty rows), softcap, NaN padding, Dv = D (so
 # that a layer's output can be added to its input).
@@ -59,8 +61,10 @@ def _loss(attn):
 
 @functools.cache
 def _reference_grads(seed=0):
-    q, k, v, n = _inputs(seed)
-    return jax.jit(jax.value_and_grad(_loss(REF), argnums=ARGNUMS))(q, k, v, n)
+    """The oracle's value and gradients for _inputs(seed), on the CPU (computed once)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        q, k, v, n = _inputs(seed)
+        return jax.jit(jax.value_and_grad(_loss(REF), argnums=ARGNUMS))(q, k, v, n)
 
 
 def assert_grads_close(ours, ref, what="grad"):
@@ -84,7 +88,7 @@ def assert_padding_grads_zero(d_k, d_v, lengths=LENGTHS):
 # grad and jit, in every order.
 
 
-def test_grad_of_jit():
+def test_grad_of_jit(backend):
     """The issue's reproducer: the primal used to return a list where the fwd rule gave a tuple."""
     q, k, v, n = _inputs()
     grads = jax.grad(jax.jit(_loss(OURS)), argnums=ARGNUMS)(q, k, v, n)
@@ -92,20 +96,20 @@ def test_grad_of_jit():
     assert_padding_grads_zero(grads[1], grads[2])
 
 
-def test_jit_of_grad():
+def test_jit_of_grad(backend):
     q, k, v, n = _inputs()
     grads = jax.jit(jax.grad(_loss(OURS), argnums=ARGNUMS))(q, k, v, n)
     assert_grads_close(grads, _reference_grads()[1])
 
 
-def test_grad_of_a_loss_calling_jitted_attention():
+def test_grad_of_a_loss_calling_jitted_attention(backend):
     attn = jax.jit(OURS, static_argnames=("is_causal", "softcap", "return_lse"))
     q, k, v, n = _inputs()
     grads = jax.grad(_loss(attn), argnums=ARGNUMS)(q, k, v, n)
     assert_grads_close(grads, _reference_grads()[1])
 
 
-def test_value_and_grad():
+def test_value_and_grad(backend):
     q, k, v, n = _inputs()
     value, grads = jax.jit(jax.value_and_grad(_loss(OURS), argnums=ARGNUMS))(q, k, v, n)
     ref_value, ref_grads = _reference_grads()
@@ -113,7 +117,7 @@ def test_value_and_grad():
     assert_grads_close(grads, ref_grads)
 
 
-def test_vjp_with_lse_cotangent_only():
+def test_vjp_with_lse_cotangent_only(backend):
     """A cotangent on lse alone (d_out symbolically zero) still reaches query and key."""
     q, k, v, n = _inputs()
 
@@ -128,7 +132,7 @@ def test_vjp_with_lse_cotangent_only():
     assert_grads_close(pullback(OURS)(q, k, ct), pullback(REF)(q, k, ct))
 
 
-def test_jacrev():
+def test_jacrev(backend):
     """jax.jacrev is vmap of the pullback: the backward pass under vmap."""
     q, k, v, n = _inputs()
 
@@ -150,7 +154,7 @@ POLICIES = {
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_checkpoint(policy):
+def test_checkpoint(backend, policy):
     q, k, v, n = _inputs()
     loss = jax.checkpoint(_loss(OURS), policy=POLICIES[policy])
     grad = jax.grad(loss, argnums=ARGNUMS)
@@ -195,7 +199,7 @@ def _stack(attn):
     return forward, loss
 
 
-def test_scan_over_layers_forward():
+def test_scan_over_layers_forward(backend):
     x, _, _, n = _inputs()
     ws, ks, vs = _layer_params()
     ours = jax.jit(_stack(OURS)[0])(x, ws, ks, vs, n)
@@ -203,7 +207,7 @@ def test_scan_over_layers_forward():
     assert_grads_close(ours, ref, what="scan outputs")
 
 
-def test_scan_over_layers_grad():
+def test_scan_over_layers_grad(backend):
     x, _, _, n = _inputs()
     ws, ks, vs = _layer_params()
     argnums = (0, 1, 2, 3)
@@ -241,7 +245,7 @@ def _switch_loss(attn):
 
 
 @pytest.mark.parametrize("control", ["cond", "switch"])
-def test_cond_and_switch(control):
+def test_cond_and_switch(backend, control):
     q, k, v, n = _inputs()
     make, selectors = {
         "cond": (_cond_loss, [jnp.bool_(True), jnp.bool_(False)]),
@@ -258,7 +262,7 @@ def test_cond_and_switch(control):
     assert len(set(results)) == len(selectors)  # each branch really ran
 
 
-def test_fori_loop():
+def test_fori_loop(backend):
     """fori_loop with static bounds (a scan underneath): differentiable in reverse mode."""
     q, k, v, n = _inputs()
 
@@ -279,7 +283,7 @@ def test_fori_loop():
 # vmap of grad of jit; export of a jitted gradient.
 
 
-def test_vmap_of_grad_of_jit():
+def test_vmap_of_grad_of_jit(backend):
     problems = [_inputs(3), _inputs(4, lengths=[2, 7])]  # lengths differ per problem
     q, k, v, n = (jnp.stack([p[i] for p in problems]) for i in range(4))
     grads = jax.vmap(jax.grad(jax.jit(_loss(OURS)), argnums=ARGNUMS))(q, k, v, n)
@@ -290,10 +294,11 @@ def test_vmap_of_grad_of_jit():
 
 
 @needs_flatbuffers
-def test_export_of_jitted_grad():
+def test_export_of_jitted_grad(backend):
     q, k, v, n = _inputs()
     grad = jax.jit(jax.grad(_loss(OURS), argnums=ARGNUMS))
-    exported = jax.export.export(grad, disabled_checks=jax_varlen.export_disabled_checks())
+    exported = jax.export.export(grad, platforms=(EXPORT_PLATFORM[backend],),
+                                 disabled_checks=jax_varlen.export_disabled_checks())
     blob = exported(q, k, v, n).serialize()
     got = jax.export.deserialize(blob).call(q, k, v, n)
     assert jax.tree.map(bits, got) == jax.tree.map(bits, grad(q, k, v, n))
@@ -301,14 +306,15 @@ def test_export_of_jitted_grad():
 
 
 @needs_flatbuffers
-def test_export_of_jitted_grad_with_symbolic_batch():
+def test_export_of_jitted_grad_with_symbolic_batch(backend):
     """One export, any batch size: the batch dimension may be symbolic."""
     grad = jax.jit(jax.grad(_loss(OURS), argnums=ARGNUMS))
     (b,) = jax.export.symbolic_shape("b")
     specs = [jax.ShapeDtypeStruct((b,) + s, dt) for s, dt in (
         ((SQ, H, D), jnp.float32), ((SKV, HKV, D), jnp.float32), ((SKV, HKV, D), jnp.float32),
         ((), jnp.int32))]
-    exported = jax.export.export(grad, disabled_checks=jax_varlen.export_disabled_checks())
+    exported = jax.export.export(grad, platforms=(EXPORT_PLATFORM[backend],),
+                                 disabled_checks=jax_varlen.export_disabled_checks())
     restored = jax.export.deserialize(exported(*specs).serialize())
     assert str(restored.in_avals[0].shape[0]) == "b"
     for batch in (1, 2):
@@ -316,7 +322,7 @@ def test_export_of_jitted_grad_with_symbolic_batch():
         assert jax.tree.map(bits, restored.call(*args)) == jax.tree.map(bits, grad(*args))
 
 
-def test_checkify_of_grad_reports_bad_lengths():
+def test_checkify_of_grad_reports_bad_lengths(backend):
     from jax.experimental import checkify
 
     q, k, v, _ = _inputs()
@@ -362,7 +368,7 @@ def test_forward_mode_raises_our_message(case):
         FORWARD_CASES[case](*_inputs())
 
 
-def test_linearize_alone_and_its_transpose_work():
+def test_linearize_alone_and_its_transpose_work(backend):
     """jax.linearize itself succeeds, and transposing its linear map is reverse mode."""
     q, k, v, n = _inputs()
 
@@ -376,7 +382,7 @@ def test_linearize_alone_and_its_transpose_work():
     assert_grads_close(transposed(q, ct), ref(q, ct))
 
 
-def test_vmap_of_linearized_map_transposes():
+def test_vmap_of_linearized_map_transposes(backend):
     """vmap of linearize's linear map, transposed: reverse mode through the tangent
     primitive's batching rule (evaluating it would be forward mode)."""
     q, k, v, n = _inputs()
@@ -391,7 +397,7 @@ def test_vmap_of_linearized_map_transposes():
     assert_grads_close(transposed(q, cts), ref(cts))
 
 
-def test_grad_with_jvp_then_partial_eval_linearization():
+def test_grad_with_jvp_then_partial_eval_linearization(backend):
     """The older linearization path (jax_use_direct_linearize=False: JVP, then partial
     evaluation) gives the same gradients."""
     q, k, v, n = _inputs()

@@ -2,8 +2,9 @@
 cases only a persistent, heaviest-first kernel has -- more work units than SMs, so each CTA
 walks several units of different sequences, and batches past the sorted limit.
 
-The oracle matrix of test_gpu_forward.py runs on this path too (it is the default one-pass
-kernel on Hopper); these tests add what that matrix cannot reach with its small shapes.
+The oracle matrix of test_forward.py (its gpu cases) runs on this path too (it is the default
+one-pass kernel on Hopper); these tests add what that matrix cannot reach with its small
+shapes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """merge_attention: partial results over disjoint key slices merge into attention over all keys.
 
 Single device: the slices are cut on the host and each one is run through the op with its
-local lengths, exactly as a sequence-parallel device would.
+local lengths, exactly as a sequence-parallel device would; those tests take the ``backend``
+fixture. The merge's own worked examples and shape errors need no op and run once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _partials(q, k, v, n, bounds, **kw):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)], ids=["mha", "mqa"])
 @pytest.mark.parametrize("bounds", [(0, 40), (0, 8, 16, 24, 32, 40), (0, 3, 24, 25, 40)],
                          ids=["P1", "P5-even", "P4-uneven"])
-def test_merge_equals_whole(dtype, heads, bounds):
+def test_merge_equals_whole(backend, dtype, heads, bounds):
     h, hkv = heads
     q, k, v, n = make_inputs(B, SQ, 40, h, hkv, D, DV, DTYPES[dtype], LENGTHS, seed=1)
     out, lse = jax_varlen.merge_attention(*_partials(q, k, v, n, bounds))
@@ -45,7 +46,7 @@ def test_merge_equals_whole(dtype, heads, bounds):
     assert_lse_close(lse, hi_lse)
 
 
-def test_merge_causal_decode():
+def test_merge_causal_decode(backend):
     """Sq = 1: tail-aligned causal equals non-causal, slice by slice too."""
     q, k, v, n = make_inputs(B, 1, 40, H, 2, D, DV, jnp.float32, LENGTHS, seed=2)
     partials = _partials(q, k, v, n, (0, 10, 20, 30, 40), is_causal=True)
@@ -55,7 +56,7 @@ def test_merge_causal_decode():
     assert_lse_close(lse, hi_lse)
 
 
-def test_merge_f32_matches_single_call():
+def test_merge_f32_matches_single_call(backend):
     """f32: the merge agrees with one call over all keys to fp32 rounding."""
     q, k, v, n = make_inputs(B, SQ, 40, H, 2, D, DV, jnp.float32, LENGTHS, seed=3)
     out, lse = jax_varlen.merge_attention(*_partials(q, k, v, n, (0, 16, 32, 40)))
@@ -95,7 +96,7 @@ def test_two_equal_partials():
     np.testing.assert_allclose(lse, [[[0.25 + np.log(2.0)]]], rtol=1e-7)
 
 
-def test_rank3_outs():
+def test_rank3_outs(backend):
     q, k, v, n = make_inputs(B, SQ, 40, H, H, D, DV, jnp.float32, LENGTHS, seed=4, rank=3)
     outs, lses = _partials(q, k, v, n, (0, 20, 40), num_heads=H)
     assert outs.ndim == 4
@@ -105,7 +106,7 @@ def test_rank3_outs():
     np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
 
 
-def test_deterministic_and_jittable():
+def test_deterministic_and_jittable(backend):
     q, k, v, n = make_inputs(B, SQ, 40, H, 2, D, DV, jnp.bfloat16, LENGTHS, seed=5)
     outs, lses = _partials(q, k, v, n, (0, 8, 16, 24, 32, 40))
     first = jax_varlen.merge_attention(outs, lses)
