@@ -8,6 +8,7 @@
 namespace nb = nanobind;
 
 extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cpu(XLA_FFI_CallFrame*);
 #ifdef JAX_VARLEN_WITH_CUDA
 extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cuda(XLA_FFI_CallFrame*);
@@ -27,6 +28,7 @@ NB_MODULE(_jax_varlen, m) {
   m.def("registrations", []() {
     nb::dict platforms, cpu;
     cpu["jax_varlen_attention_fwd_cpu"] = capsule(jax_varlen_attention_fwd_cpu);
+    cpu["jax_varlen_attention_bwd_cpu"] = capsule(jax_varlen_attention_bwd_cpu);
     platforms["cpu"] = cpu;
 #ifdef JAX_VARLEN_WITH_CUDA
     nb::dict cuda;

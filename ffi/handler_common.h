@@ -114,12 +114,14 @@ inline ffi::ErrorOr<BackwardParams> make_bwd_params(
     bool is_causal, float softcap) {
   auto fwd = make_params(query, key, value, nonpad_kv_seqlen, out, lse, scale, is_causal, softcap);
   if (!fwd) return ffi::Unexpected(fwd.error());
-  auto same = [](ffi::AnyBuffer a, ffi::AnyBuffer b) {
-    const auto ad = a.dimensions(), bd = b.dimensions();
-    if (a.element_type() != b.element_type() || ad.size() != bd.size()) return false;
+  auto same_dims = [](ffi::AnyBuffer::Dimensions ad, ffi::AnyBuffer::Dimensions bd) {
+    if (ad.size() != bd.size()) return false;
     for (size_t i = 0; i < ad.size(); ++i)
       if (ad[i] != bd[i]) return false;
     return true;
+  };
+  auto same = [&](ffi::AnyBuffer a, ffi::AnyBuffer b) {
+    return a.element_type() == b.element_type() && same_dims(a.dimensions(), b.dimensions());
   };
   auto bad = [](std::string name, ffi::AnyBuffer::Dimensions got, ffi::AnyBuffer::Dimensions want) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(
@@ -130,9 +132,9 @@ inline ffi::ErrorOr<BackwardParams> make_bwd_params(
   if (!same(d_query, query)) return bad("d_query", d_query.dimensions(), query.dimensions());
   if (!same(d_key, key)) return bad("d_key", d_key.dimensions(), key.dimensions());
   if (!same(d_value, value)) return bad("d_value", d_value.dimensions(), value.dimensions());
-  if (d_lse.element_count() != lse.element_count())
+  if (!same_dims(d_lse.dimensions(), lse.dimensions()))
     return bad("d_lse", d_lse.dimensions(), lse.dimensions());
-  if (delta.element_count() != lse.element_count())
+  if (!same_dims(delta.dimensions(), lse.dimensions()))
     return bad("delta", delta.dimensions(), lse.dimensions());
   BackwardParams p{};
   p.fwd = *fwd;

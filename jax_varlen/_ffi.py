@@ -6,8 +6,11 @@ import functools
 
 import jax
 
+# The forward (_primitive.py) and the backward (_backward.py), per platform.
 CPU_TARGET = "jax_varlen_attention_fwd_cpu"
 CUDA_TARGET = "jax_varlen_attention_fwd_cuda"
+BWD_CPU_TARGET = "jax_varlen_attention_bwd_cpu"
+BWD_CUDA_TARGET = "jax_varlen_attention_bwd_cuda"
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}  # the names XLA's registry expects
 
 

@@ -55,8 +55,9 @@ def _abstract_eval(query, key, value, nonpad_kv_seqlen, *, config):
     )
 
 
-def _batch(args, dims, *, config):
-    """A vmapped axis folds into the batch axis: [N, B, ...] -> [N * B, ...], one launch.
+def fold_vmapped_axis(args, dims):
+    """``(size, operands)``: each operand's vmapped axis folded into its leading batch axis,
+    ``[N, B, ...] -> [N * B, ...]``, for primitives whose operands all lead with the batch.
 
     Unbatched operands are broadcast along the vmapped axis (lengths cost nothing; an
     unbatched query/key/value is materialized once per vmapped element, like any batched call).
@@ -69,16 +70,27 @@ def _batch(args, dims, *, config):
         else:
             a = jnp.moveaxis(a, d, 0)
         folded.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
-    out, lse = attention_fwd(*folded, config)
-    out = out.reshape((size, -1) + out.shape[1:])
-    lse = lse.reshape((size, -1) + lse.shape[1:])
-    return (out, lse), (0, 0)
+    return size, folded
+
+
+def unfold_vmapped_axis(results, size):
+    """The inverse for results that lead with the batch: ``[N * B, ...] -> [N, B, ...]``."""
+    return [r.reshape((size, -1) + r.shape[1:]) for r in results]
+
+
+def _batch(args, dims, *, config):
+    """A vmapped axis folds into the batch axis: [N, B, ...] -> [N * B, ...], one launch."""
+    size, folded = fold_vmapped_axis(args, dims)
+    results = unfold_vmapped_axis(attention_fwd(*folded, config), size)
+    return results, [0] * len(results)
 
 
 batching.primitive_batchers[attention_fwd_p] = _batch
 
 
-def _ffi_attrs(config: AttentionConfig):
+def ffi_attrs(config: AttentionConfig):
+    """The FFI attributes of a call (the forward's and the backward's): scale, is_causal,
+    softcap."""
     return dict(
         scale=np.float32(config.scale),
         is_causal=bool(config.is_causal),
@@ -88,7 +100,7 @@ def _ffi_attrs(config: AttentionConfig):
 
 def _lower_cpu(ctx, *args, config):
     _ffi.extension()
-    return jax.ffi.ffi_lowering(_ffi.CPU_TARGET)(ctx, *args, **_ffi_attrs(config))
+    return jax.ffi.ffi_lowering(_ffi.CPU_TARGET)(ctx, *args, **ffi_attrs(config))
 
 
 def split_keys_for(query_aval) -> int:
@@ -108,7 +120,9 @@ def split_workspace_shape(query_aval, key_aval, value_aval, split_keys: int):
     return (B * Hkv * max_splits * rows_pad * (value_aval.shape[3] + 1),)
 
 
-def _lower_cuda(ctx, query, *args, config):
+def require_cuda_kernels(head_dim: int, head_dim_v: int) -> None:
+    """Raises unless the extension carries its CUDA kernels and they take these head sizes
+    (the forward's and the backward's CUDA lowerings both check this)."""
     if not _ffi.has_cuda():
         raise RuntimeError(
             "jax_varlen was built without its CUDA kernels, so it cannot run on a GPU. "
@@ -116,13 +130,15 @@ def _lower_cuda(ctx, query, *args, config):
             "with JAX_VARLEN_CUDA=ON; to run on the CPU, place the inputs there "
             "(jax.device_put(x, jax.devices('cpu')[0]))."
         )
-    head_dim = ctx.avals_in[0].shape[-1]
-    head_dim_v = ctx.avals_in[2].shape[-1]
     if max(head_dim, head_dim_v) > CUDA_MAX_HEAD_DIM:
         raise ValueError(
             f"jax_varlen on CUDA supports head sizes up to {CUDA_MAX_HEAD_DIM}; got query/key "
             f"head size {head_dim} and value head size {head_dim_v}"
         )
+
+
+def _lower_cuda(ctx, query, *args, config):
+    require_cuda_kernels(ctx.avals_in[0].shape[-1], ctx.avals_in[2].shape[-1])
     # The split-KV workspace is a third result that only the CUDA call has: XLA allocates it
     # (the handler never does), and nothing reads it after the call.
     q_aval, k_aval, v_aval, _ = ctx.avals_in
@@ -132,7 +148,7 @@ def _lower_cuda(ctx, query, *args, config):
     )
     ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
     out, lse, _ = jax.ffi.ffi_lowering(_ffi.CUDA_TARGET)(
-        ctx, query, *args, **_ffi_attrs(config), split_keys=np.int64(split_keys)
+        ctx, query, *args, **ffi_attrs(config), split_keys=np.int64(split_keys)
     )
     return [out, lse]
 
