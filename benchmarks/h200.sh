@@ -38,9 +38,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   echo "wheels: $(cd .whl && echo *.whl) ($(($(date +%s) - T0)) s)"
 fi
 t0=$(date +%s)
-# --upgrade: on a machine kept warm from an earlier call, replace the jax_varlen built then.
+# --upgrade: on a machine kept warm from an earlier call, replace the jax_varlen built then;
+# build/h200 (ignored, kept on the device between calls) makes that rebuild incremental.
 python3 -m pip install --no-build-isolation --no-deps --upgrade --target /tmp/site \
-  -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . >"$OUT/build.log" 2>&1 \
+  -C build-dir=build/h200 -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . \
+  >"$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log"; exit 1; }
 echo "build: $(($(date +%s) - t0)) s"
 
