@@ -3,9 +3,9 @@
 The rule lives on the primitive, so the check exists only when a caller functionalizes with
 ``checkify.checkify``; plain ``jit`` programs carry no check effect (and ``jax.export`` can
 serialize them). Outside checkify, out-of-range lengths are clamped into ``[0, Skv]`` by the
-kernels. checkify has no public hook for primitives, so this uses ``jax._src.checkify`` (its
-layout is the same in jax 0.10 to 0.12); should it move, the op still clamps, and only the
-report is lost.
+kernels. checkify has no public hook for primitives, so this uses ``jax._src.checkify`` (the
+rule adapts to both of its calling conventions in jax 0.10 to 0.12); should it move, the op
+still clamps, and only the report is lost.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ def register_lengths_check(primitive, lengths_index: int, seqlen_k_of) -> None:
     if _checkify is None or not hasattr(_checkify, "error_checks"):
         return
 
-    def rule(error, enabled_errors, *operands, **params):
+    def rule(*args, **params):
+        # The rule's leading arguments are (error, enabled_errors) in jax 0.10-0.11.1 and
+        # (context, error, enabled_errors) from 0.11.2: find the error by type, update it, and
+        # let checkify's default rule bind the primitive and return in that version's format.
+        at = next(i for i, a in enumerate(args) if isinstance(a, _checkify.Error))
+        error, enabled_errors, operands = args[at], args[at + 1], args[at + 2:]
         if _checkify.FailedCheckError in enabled_errors:
             seqlen_k = seqlen_k_of(*operands)
             lengths = operands[lengths_index]
@@ -42,6 +47,7 @@ def register_lengths_check(primitive, lengths_index: int, seqlen_k_of) -> None:
                     "are clamped",
                 ),
             )
-        return error, primitive.bind(*operands, **params)
+        return _checkify.default_checkify_rule(
+            primitive, *args[:at], error, enabled_errors, *operands, **params)
 
     _checkify.error_checks[primitive] = rule
