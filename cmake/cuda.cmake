@@ -82,6 +82,17 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
     set(sm90_sources "")
     jax_varlen_instantiate(sm90_sources cuda/sm90/fwd_sm90.cuh jax_varlen::cuda::sm90::run_fwd_sm90
                            ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets})
+    # The backward's buckets: those up to kBwdSm90MaxHeadDim (limits.h).
+    file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/cuda/limits.h" bwd_max_line REGEX "kBwdSm90MaxHeadDim =")
+    string(REGEX REPLACE ".*= *([0-9]+).*" "\\1" bwd_max "${bwd_max_line}")
+    set(bwd_buckets "")
+    foreach(dim IN LISTS head_dim_buckets)
+      if(dim LESS_EQUAL bwd_max)
+        list(APPEND bwd_buckets ${dim})
+      endif()
+    endforeach()
+    jax_varlen_instantiate(sm90_sources cuda/sm90/bwd_sm90.cuh jax_varlen::cuda::sm90::run_bwd_sm90
+                           ELEMS ${tensor_core_elems} DIMS ${bwd_buckets} PARAMS BackwardParams)
     add_library(jax_varlen_sm90 OBJECT ${sm90_sources})
     target_include_directories(jax_varlen_sm90 PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/ffi" "${CUTLASS_INCLUDE_DIR}")
     target_compile_options(jax_varlen_sm90 PRIVATE --expt-relaxed-constexpr -O3)

@@ -49,6 +49,8 @@ NB_MODULE(_jax_varlen, m) {
     d["cuda_max_head_dim"] = c::kMaxHeadDim;     // largest D and Dv of the CUDA kernels
     d["split_max_seqlen_q"] = c::kSplitMaxSeqlenQ;  // split-KV path for seqlen_q up to this
     d["split_keys"] = c::kSplitKeys;                // keys per split-KV chunk
+    d["bwd_block_m"] = c::kBwdBlockM;               // Hopper backward: rows per dQ block
+    d["bwd_sm90_max_head_dim"] = c::kBwdSm90MaxHeadDim;  // its largest bucket
     return d;
   });
   m.attr("with_cuda") =

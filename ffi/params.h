@@ -81,6 +81,11 @@ struct BackwardParams {
   void* d_k;            // [batch, seqlen_k, kv_num_heads, head_dim], k's strides
   void* d_v;            // [batch, seqlen_k, kv_num_heads, head_dim_v], v's strides
   float* delta;         // [batch, num_heads, seqlen_q] fp32 workspace (an XLA output)
+  // The Hopper kernel's dQ workspace (cuda/limits.h has the layout); nullptr on the CPU, and
+  // dq_elements = 0 when the caller sized none.
+  float* dq_accum;
+  int32_t* dq_semaphore;
+  int64_t dq_elements;
 };
 
 }  // namespace jax_varlen

@@ -12,7 +12,8 @@ Static parameter: ``config``, the forward's :class:`AttentionConfig`.
 
 The FFI call is the same on every platform (targets ``_ffi.BWD_CPU_TARGET`` and
 ``_ffi.BWD_CUDA_TARGET``): the eight operands in this order; results d_query, d_key, d_value
-and ``delta`` (float32 [B, H, Sq], a workspace that the lowering adds and drops); attributes
+and ``delta`` (float32 [B, H, Sq], a workspace that the lowering adds and drops), and on CUDA
+the Hopper kernel's dQ workspace (float32, :func:`dq_workspace_shape`); attributes
 ``scale`` (f32), ``is_causal`` (bool), ``softcap`` (f32). The math is in ffi/params.h
 (``BackwardParams``): keys at or past ``n_b`` get exactly zero gradient and are never read,
 rows with no allowed key contribute nothing, lengths are clamped into ``[0, Skv]``.
@@ -28,6 +29,9 @@ from jax.interpreters import batching
 from jax_varlen import _checkify, _ffi, _sharding
 from jax_varlen._config import AttentionConfig
 from jax_varlen._primitive import (
+    BWD_BLOCK_M,
+    BWD_SM90_MAX_HEAD_DIM,
+    HEAD_DIM_BUCKETS,
     ffi_attrs,
     fold_vmapped_axis,
     require_cuda_kernels,
@@ -77,13 +81,25 @@ def _batch(args, dims, *, config):
 batching.primitive_batchers[attention_bwd_p] = _batch
 
 
-def _lower(target, ctx, *args, config):
-    # The delta workspace: a fourth result that XLA allocates (the handlers never do) and
-    # nothing reads after the call.
-    delta = jax.core.ShapedArray(ctx.avals_in[5].shape, jnp.float32)  # lse's shape
-    ctx = ctx.replace(avals_out=[*ctx.avals_out, delta])
-    d_query, d_key, d_value, _ = jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(config))
-    return [d_query, d_key, d_value]
+def dq_workspace_shape(query_aval, value_aval):
+    """Float32 dQ workspace of the Hopper backward (layout: ffi/cuda/limits.h): per (sequence,
+    head, block of BWD_BLOCK_M rows) an fp32 partial sum of the block's dQ and a counter;
+    empty when the head sizes' bucket is past the kernel's."""
+    B, Sq, H, D = query_aval.shape
+    dim = next(b for b in HEAD_DIM_BUCKETS if max(D, value_aval.shape[3]) <= b)
+    if dim > BWD_SM90_MAX_HEAD_DIM:
+        return (0,)
+    return (B * H * -(-Sq // BWD_BLOCK_M) * (BWD_BLOCK_M * dim + 1),)
+
+
+def _lower(target, ctx, *args, config, workspaces=()):
+    # The workspaces: results that XLA allocates (the handlers never do) and nothing reads after
+    # the call. delta first (lse's shape), then the platform's own.
+    delta = jax.core.ShapedArray(ctx.avals_in[5].shape, jnp.float32)
+    extra = [delta, *(jax.core.ShapedArray(s, jnp.float32) for s in workspaces)]
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, *extra])
+    results = jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(config))
+    return list(results[:3])  # d_query, d_key, d_value
 
 
 def _lower_cpu(ctx, *args, config):
@@ -92,8 +108,10 @@ def _lower_cpu(ctx, *args, config):
 
 
 def _lower_cuda(ctx, *args, config):
-    require_cuda_kernels(ctx.avals_in[0].shape[-1], ctx.avals_in[2].shape[-1])
-    return _lower(_ffi.BWD_CUDA_TARGET, ctx, *args, config=config)
+    query, _, value = ctx.avals_in[:3]
+    require_cuda_kernels(query.shape[-1], value.shape[-1])
+    return _lower(_ffi.BWD_CUDA_TARGET, ctx, *args, config=config,
+                  workspaces=[dq_workspace_shape(query, value)])
 
 
 # Like the forward: batch and whole kv-head groups split with no communication; the sequence

@@ -12,6 +12,9 @@
 //   portable      any                    everything else (float32 on an exact fp32  sm80::run_fwd_simt
 //                                        path, odd head sizes, unaligned buffers)
 // Backward (after common/bwd_preprocess.cuh, for every path):
+//   sm90          compute capability 9,  the sm80 tensor-core condition, sm90_takes,  sm90::run_bwd_sm90
+//                 built with sm_90a      a bucket up to kBwdSm90MaxHeadDim, Sq >= 1,
+//                                        the caller sized the dQ workspace
 //   sm80 tensor   compute capability 8+  f16/bf16, D and Dv multiples of 8, 16-byte  sm80::run_bwd_tc
 //   cores                                aligned buffers
 //   portable      any                    everything else                            sm80::run_bwd_simt
@@ -81,6 +84,14 @@ bool sm90_takes(const AttentionParams& p) {
   return p.seqlen_q <= INT32_MAX && p.seqlen_k <= INT32_MAX &&
          p.batch * p.num_heads * m_blocks <= INT32_MAX;
 }
+
+// The Hopper backward: buckets up to kBwdSm90MaxHeadDim (null entries above).
+constexpr BwdPathKernels kBwdSm90 = tensor_core_path<BwdFn>([](auto elem, auto dim) -> BwdFn {
+  if constexpr (decltype(dim)::value <= kBwdSm90MaxHeadDim)
+    return &sm90::run_bwd_sm90<typename decltype(elem)::type, decltype(dim)::value>;
+  else
+    return nullptr;
+});
 #endif
 
 // The portable kernels take every head size: one entry per dtype, in every bucket.
@@ -135,17 +146,38 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   return fn != nullptr ? fn(p, stream) : cudaErrorInvalidValue;
 }
 
+#if defined(JAX_VARLEN_WITH_SM90)
+// Float32 elements of the Hopper backward's dQ workspace (limits.h), 0 when it does not apply.
+static int64_t bwd_sm90_workspace_elements(const AttentionParams& p) {
+  const int dim = kHeadDimBuckets[bucket(p)];
+  if (dim > kBwdSm90MaxHeadDim) return 0;
+  const int64_t m_blocks = (p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM;
+  return p.batch * p.num_heads * m_blocks * (int64_t(kBwdBlockM) * dim + 1);
+}
+#endif
+
 cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
-  const bool tc = tensor_cores(p, device_major()) && aligned16(bp.d_out) && aligned16(bp.d_q) &&
+  const int major = device_major();
+  const bool tc = tensor_cores(p, major) && aligned16(bp.d_out) && aligned16(bp.d_q) &&
                   aligned16(bp.d_k) && aligned16(bp.d_v);
-  const BwdFn fn = (tc ? kBwdSm80 : kBwdPortable)[int(p.dtype)][bucket(p)];
+  BwdFn fn = (tc ? kBwdSm80 : kBwdPortable)[int(p.dtype)][bucket(p)];
+  BackwardParams args = bp;
+#if defined(JAX_VARLEN_WITH_SM90)
+  const int64_t need = bwd_sm90_workspace_elements(p);
+  if (tc && major == 9 && sm90_takes(p) && p.seqlen_q > 0 && need > 0 && bp.dq_elements >= need &&
+      aligned16(bp.dq_accum)) {
+    fn = kBwdSm90[int(p.dtype)][bucket(p)];
+    const int64_t sems = p.batch * p.num_heads * ((p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM);
+    args.dq_semaphore = reinterpret_cast<int32_t*>(bp.dq_accum + (need - sems));
+  }
+#endif
   if (fn == nullptr) return cudaErrorInvalidValue;
   if (p.seqlen_q * p.num_heads > 0) {  // delta; nothing to do without query rows
-    const cudaError_t err = kBwdPreprocess[int(p.dtype)](bp, stream);
+    const cudaError_t err = kBwdPreprocess[int(p.dtype)](args, stream);
     if (err != cudaSuccess) return err;
   }
-  return fn(bp, stream);
+  return fn(args, stream);
 }
 
 }  // namespace jax_varlen::cuda

@@ -62,12 +62,15 @@ ffi::Error attention_bwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::An
                               ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
                               ffi::Buffer<ffi::F32> d_lse, ffi::Result<ffi::AnyBuffer> d_query,
                               ffi::Result<ffi::AnyBuffer> d_key, ffi::Result<ffi::AnyBuffer> d_value,
-                              ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale, bool is_causal,
+                              ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                              ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace, float scale, bool is_causal,
                               float softcap) {
   auto params = make_bwd_params(query, key, value, nonpad_kv_seqlen, out, lse, d_out, d_lse, *d_query,
                                 *d_key, *d_value, *delta, scale, is_causal, softcap);
   if (!params) return params.error();
-  const BackwardParams& bp = *params;
+  BackwardParams bp = *params;
+  bp.dq_accum = dq_workspace->typed_data();
+  bp.dq_elements = int64_t(dq_workspace->element_count());
   if (auto err = check_cuda_limits(bp.fwd); err.failure()) return err;
   if (bp.fwd.batch == 0 || bp.fwd.num_heads == 0) return ffi::Error::Success();
   const cudaError_t err = cuda::run_bwd(bp, stream);
@@ -112,6 +115,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d_key [B, Skv, Hkv, D]
         .Ret<xla::ffi::AnyBuffer>()                     // d_value [B, Skv, Hkv, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [B, H, Sq]: workspace
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // dQ workspace of the Hopper kernel (limits.h)
         .Attr<float>("scale")                           // multiplies <q, k>
         .Attr<bool>("is_causal")                        // tail-aligned causal mask
         .Attr<float>("softcap"),                        // 0 = off

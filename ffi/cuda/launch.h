@@ -38,6 +38,10 @@ namespace sm90 {
 constexpr int kBlockM = 128;  // query rows of one work unit, at every head size
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream);
+// Hopper backward (bwd_sm90.cuh), after the preprocess, for buckets up to kBwdSm90MaxHeadDim:
+// one kernel, dQ summed in a fixed order through bp.dq_accum.
+template <typename Elem, int kHeadDim>
+cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream);
 }  // namespace sm90
 
 // Pick the kernels for the call on the current device and launch them on stream.

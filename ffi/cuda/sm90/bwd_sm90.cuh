@@ -1,0 +1,468 @@
+// Hopper backward (sm_90a): TMA loads, the five products on wgmma with fp32 accumulators, a
+// producer warp, and a deterministic dQ that needs no separate pass and no float atomics.
+//
+// One CTA = (sequence b, kv head g, key block n of kBlockN = 128 keys), 3 warpgroups:
+//   warpgroup 0, warp 0: the producer. K and V of the block land once; then, for every query
+//     head h of g's group and every row block m (kBlockM = 64 rows) that sees the block, Q[m]
+//     and dO[m] of head h land in a kStages-deep ring on mbarriers.
+//   warpgroups 1 and 2: the consumers, 64 keys each. Per step (h, m), with S^T = K Q^T
+//     [keys, rows] so that the keys run along the accumulators' rows:
+//       S^T = K Q^T and dP^T = V dO^T            (SS wgmma, K-major operands)
+//       P^T = exp(S^T - lse), masked; dS^T = P^T (dP^T - delta) (times 1 - t^2 with softcap)
+//       dV += P^T dO and dK += dS^T Q            (RS wgmma: P^T, dS^T from registers; Q, dO
+//                                                 read MN-major through transposed views)
+//       dS^T -> shared memory; dQ_part = dS K     (SS, MN-major; the warpgroups split D)
+//   dK and dV stay in registers for the whole walk and sum over the group's query heads.
+//
+// dQ: row block m of head h gets one partial per key block that it sees (n < nvis(m)); they
+// are summed in a fixed order, key blocks descending, through dq_accum (fp32) and a counter
+// per (b, h, m) in dq_semaphore: the partial of block n waits until the counter reaches
+// 2 * (nvis(m) - 1 - n) (two warpgroups per block), adds (the first one stores), and counts
+// itself; block 0 comes last and writes d_q itself, scaled and rounded. The order depends only
+// on the lengths, so d_q is bitwise deterministic. Every wait is on a block of higher n, which
+// has a lower blockIdx.x (x runs over key blocks in reverse) and so was dispatched earlier:
+// no deadlock whatever the residency. Under a causal mask block n's first row block comes
+// later the larger n is, so the blocks of one (b, g) reach a row block one after the other.
+//
+// Padding: keys at or past n_b are never used -- their P and dS are selected to 0, their K rows
+// are zeroed in shared memory before dS K (0 * NaN would poison dQ), and their dK and dV rows
+// are written as zeros; key blocks wholly past n_b only write those zeros. Query rows past Sq
+// land as zeros (TMA) and are masked out.
+#pragma once
+
+#include "cuda/sm90/fwd_sm90.cuh"
+
+namespace jax_varlen::cuda::sm90 {
+
+template <typename Element_, int kHeadDim_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;  // bucket of max(D, Dv): 64 or 128
+  static constexpr int kBlockM = kBwdBlockM;  // query rows per step
+  static constexpr int kBlockN = kBwdBlockN;  // keys per CTA, 64 per consumer warpgroup
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using SplitM = Layout<Shape<_2, _1, _1>>;  // warpgroups split the keys
+  using SplitN = Layout<Shape<_1, _2, _1>>;  // warpgroups split D (dQ)
+  // S^T [keys, rows] = K Q^T; dP^T = V dO^T (Dv <= kHeadDim, zero-padded).
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+      SplitM{}));
+  // dV [keys, Dv] += P^T dO; dK [keys, D] += dS^T Q: A from registers, B MN-major.
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      SplitM{}));
+  // dQ [rows, D] = dS K, each warpgroup D / 2 columns; both operands MN-major.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      SplitN{}));
+
+  template <int kRows, int kCols, int kDepth>
+  using KMajor = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kRows>, Int<kCols>>(),
+      Shape<Int<kRows>, Int<kCols>, Int<kDepth>>{}));
+  // Q and dO [rows, dim] x stages, K and V [keys, dim], dS^T [keys, rows] x 2 buffers: dim (or
+  // rows, for dS^T) contiguous, as TMA lands them.
+  using SmemLayoutQ = KMajor<kBlockM, kHeadDim, kStages>;
+  using SmemLayoutK = KMajor<kBlockN, kHeadDim, 1>;
+  using SmemLayoutdSt = KMajor<kBlockN, kBlockM, 2>;
+  // Transposed views of the same bytes, for the MN-major operands: Q^T and dO^T [dim, rows],
+  // K^T [dim, keys], dS [rows, keys].
+  using SmemLayoutQt = decltype(composition(SmemLayoutQ{},
+      make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                  Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{},
+      make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, _1>{}, Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
+  using SmemLayoutdS = decltype(composition(SmemLayoutdSt{},
+      make_layout(Shape<Int<kBlockM>, Int<kBlockN>, _2>{}, Stride<Int<kBlockN>, _1, Int<kBlockN * kBlockM>>{})));
+
+  using Shape4 = Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, dim, heads, batch)
+  using StrideRows = Stride<int64_t, _1, int64_t, int64_t>;
+  template <int kRows>
+  using Tma = decltype(make_tma_copy(SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape4{}, StrideRows{}),
+      take<0, 2>(KMajor<kRows, kHeadDim, 1>{}), Shape<Int<kRows>, Int<kHeadDim>>{}, _1{}));
+  using TmaQ = Tma<kBlockM>;   // Q and dO
+  using TmaKV = Tma<kBlockN>;  // K and V
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);   // one Q or dO tile
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // one K or V tile
+};
+
+template <typename Tr>
+struct alignas(1024) BwdSharedStorage {
+  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
+  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutQ>, 1024> d_out;
+  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
+  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> v;
+  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSt>, 1024> d_s;
+  uint64_t full_kv;                  // K and V landed
+  uint64_t full[Tr::kStages];        // Q and dO of a step landed
+  uint64_t empty[Tr::kStages];       // the consumers are done with the stage
+};
+
+template <typename Tr>
+struct BwdKernelParams {
+  typename Tr::TmaQ tma_q, tma_d_out;
+  typename Tr::TmaKV tma_k, tma_v;
+  BackwardParams bp;
+  int num_m_blocks;  // ceil(seqlen_q / kBlockM)
+};
+
+// The steps of one CTA: row blocks [m_lo, num_m_blocks) of each query head of the group, and
+// the number of key blocks that row block m sees (the dQ order's length).
+struct BwdBlock {
+  int b, g, n_block;
+  int n;     // valid keys of sequence b, clamped
+  int m_lo;  // first row block that sees a key of this block
+  __device__ int key_blocks_seen(const AttentionParams& p, int m) const {
+    const int64_t last = int64_t(m) * kBwdBlockM + kBwdBlockM - 1;
+    const int64_t row = last < p.seqlen_q ? last : p.seqlen_q - 1;
+    return int((allowed_keys(row, n, p.seqlen_q, p.is_causal) + kBwdBlockN - 1) / kBwdBlockN);
+  }
+};
+
+__device__ __forceinline__ int load_acquire(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+constexpr int kBwdPairBarrier = 1;  // both consumer warpgroups: K tail zeroed, dS^T written
+constexpr int kBwdDqBarrier = 2;    // + warpgroup: its dQ turn (2 and 3)
+
+template <typename Tr, bool kSoftcap>
+__global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_constant__ BwdKernelParams<Tr> kp) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<BwdSharedStorage<Tr>*>(smem_raw);
+  const BackwardParams& bp = kp.bp;
+  const AttentionParams& p = bp.fwd;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  BwdBlock blk;
+  blk.n_block = int(gridDim.x) - 1 - int(blockIdx.x);
+  blk.g = int(blockIdx.y);
+  blk.b = int(blockIdx.z);
+  blk.n = int(clamp_seqlen(p.nonpad_kv_seqlen[blk.b], p.seqlen_k));
+  const int key0 = blk.n_block * kBlockN;
+  {  // first row that sees key0: i + n - Sq >= key0 under the mask, every row otherwise
+    const int64_t i0 = p.is_causal ? int64_t(key0) - blk.n + p.seqlen_q : 0;
+    blk.m_lo = int((i0 > 0 ? i0 : 0) / kBlockM);
+  }
+  const int group = int(p.num_heads / p.kv_num_heads);
+  const int h0 = blk.g * group;
+  Element* d_k = static_cast<Element*>(bp.d_k) + blk.b * p.k_batch_stride + blk.g * p.k_head_stride;
+  Element* d_v = static_cast<Element*>(bp.d_v) + blk.b * p.v_batch_stride + blk.g * p.v_head_stride;
+  Element* d_q = static_cast<Element*>(bp.d_q) + blk.b * p.q_batch_stride;
+
+  // Row blocks that no key block sees get d_q = 0 from block 0 (nobody else writes them).
+  if (blk.n_block == 0) {
+    const int chunks = int(p.head_dim / 8);
+    for (int m = 0; m < kp.num_m_blocks; ++m) {
+      if (blk.key_blocks_seen(p, m) > 0) continue;
+      const int64_t r0 = int64_t(m) * kBlockM;
+      const int rows = int(p.seqlen_q - r0 < kBlockM ? p.seqlen_q - r0 : kBlockM);
+      for (int idx = threadIdx.x; idx < group * rows * chunks; idx += Tr::kThreads) {
+        const int c = idx % chunks, r = idx / chunks % rows, hh = idx / chunks / rows;
+        *reinterpret_cast<uint4*>(d_q + (r0 + r) * p.q_row_stride + (h0 + hh) * p.q_head_stride + c * 8) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+  if (key0 >= blk.n) {  // a block wholly past n_b: zero gradients for its rows of Skv
+    const int64_t rows = p.seqlen_k - key0 < kBlockN ? p.seqlen_k - key0 : kBlockN;
+    const int ck = int(p.head_dim / 8), cv = int(p.head_dim_v / 8);
+    for (int idx = threadIdx.x; idx < rows * (ck + cv); idx += Tr::kThreads) {
+      const int r = idx / (ck + cv), c = idx % (ck + cv);
+      Element* dst = c < ck ? d_k + (key0 + r) * p.k_row_stride + c * 8
+                            : d_v + (key0 + r) * p.v_row_stride + (c - ck) * 8;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+
+  if (threadIdx.x == 0) {
+    Barrier::init(&ss.full_kv, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&ss.full[s], 1);
+      Barrier::init(&ss.empty[s], Tr::kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.d_out.data()), typename Tr::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutK{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.d_s.data()), typename Tr::SmemLayoutdSt{});
+
+  if (threadIdx.x < 128) {  // ---------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    const int sq = int(p.seqlen_q), sk = int(p.seqlen_k);
+    Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(sq, int(p.head_dim), int(p.num_heads), int(p.batch)));
+    Tensor mdO = kp.tma_d_out.get_tma_tensor(make_shape(sq, int(p.head_dim_v), int(p.num_heads), int(p.batch)));
+    Tensor mK = kp.tma_k.get_tma_tensor(make_shape(sk, int(p.head_dim), int(p.kv_num_heads), int(p.batch)));
+    Tensor mV = kp.tma_v.get_tma_tensor(make_shape(sk, int(p.head_dim_v), int(p.kv_num_heads), int(p.batch)));
+    auto tma_q = kp.tma_q.get_slice(0);
+    auto tma_do = kp.tma_d_out.get_slice(0);
+    auto tma_k = kp.tma_k.get_slice(0);
+    auto tma_v = kp.tma_v.get_slice(0);
+    TxBarrier::arrive_and_expect_tx(&ss.full_kv, 2 * Tr::kBytesKV);
+    using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+    copy(kp.tma_k.with(ss.full_kv), tma_k.partition_S(local_tile(mK(_, _, blk.g, blk.b), TileKV{}, make_coord(blk.n_block, 0))),
+         tma_k.partition_D(sK(_, _, 0)));
+    copy(kp.tma_v.with(ss.full_kv), tma_v.partition_S(local_tile(mV(_, _, blk.g, blk.b), TileKV{}, make_coord(blk.n_block, 0))),
+         tma_v.partition_D(sV(_, _, 0)));
+    using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+    int stage = 0, phase = 0;
+    for (int h = h0; h < h0 + group; ++h)
+      for (int m = blk.m_lo; m < kp.num_m_blocks; ++m) {
+        Barrier::wait(&ss.empty[stage], phase ^ 1);
+        TxBarrier::arrive_and_expect_tx(&ss.full[stage], 2 * Tr::kBytesQ);
+        copy(kp.tma_q.with(ss.full[stage]), tma_q.partition_S(local_tile(mQ(_, _, h, blk.b), TileQ{}, make_coord(m, 0))),
+             tma_q.partition_D(sQ(_, _, stage)));
+        copy(kp.tma_d_out.with(ss.full[stage]), tma_do.partition_S(local_tile(mdO(_, _, h, blk.b), TileQ{}, make_coord(m, 0))),
+             tma_do.partition_D(sdO(_, _, stage)));
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------- consumers
+  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  const int ct = threadIdx.x - 128;  // 0..255
+  const int cwg = ct / 128;          // keys [64 * cwg, +64) of the block; dQ columns [D/2 * cwg, +D/2)
+  const int lane = threadIdx.x % 32;
+  typename Tr::TiledMmaSdP mma_sdp;
+  typename Tr::TiledMmadKV mma_dkv;
+  typename Tr::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(ct);
+  auto thr_dkv = mma_dkv.get_thread_slice(ct);
+  auto thr_dq = mma_dq.get_thread_slice(ct);
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.d_out.data()), typename Tr::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.d_s.data()), typename Tr::SmemLayoutdS{});
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK(_, _, 0));
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, N, K, stages)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV(_, _, 0));
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stages)
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, M, K, buffers)
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt(_, _, 0));
+  Tensor tdSsdS = thr_sdp.partition_C(sdSt);            // this thread's dS^T elements, per buffer
+  // (key, row) of this thread's S^T elements; (row, column) of its dQ and (key, column) of its
+  // dK/dV elements.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor cQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+  constexpr int kS = decltype(size(cS))::value;  // 32 elements of S^T per thread
+  const float kLog2e = 1.4426950408889634f;
+  // z = s * scale * log2 e, or softcap * log2 e * tanh(s * scale / softcap) (base 2 exponents).
+  const float z_scale = kSoftcap ? p.scale / p.softcap : p.scale * kLog2e;
+  const float z_cap = p.softcap * kLog2e;
+  auto release = [&](uint64_t* bar) { __syncwarp(); if (lane == 0) Barrier::arrive(bar); };
+
+  Barrier::wait(&ss.full_kv, 0);
+  if (key0 + kBlockN > blk.n) {  // zero K rows past n_b: dS K must not meet padding
+    const int rows = blk.n - key0;
+    constexpr int kChunks = kHeadDim / 8;
+    for (int idx = ct; idx < (kBlockN - rows) * kChunks; idx += Tr::kConsumerThreads)
+      *reinterpret_cast<uint4*>(&sK(rows + idx / kChunks, (idx % kChunks) * 8, 0)) = make_uint4(0, 0, 0, 0);
+    cutlass::arch::fence_view_async_shared();
+    named_sync(kBwdPairBarrier, Tr::kConsumerThreads);
+  }
+
+  int stage = 0, phase = 0, step = 0;
+  for (int h = h0; h < h0 + group; ++h) {
+    const float* lse_h = p.lse + (int64_t(blk.b) * p.num_heads + h) * p.seqlen_q;
+    const float* delta_h = bp.delta + (int64_t(blk.b) * p.num_heads + h) * p.seqlen_q;
+    for (int m = blk.m_lo; m < kp.num_m_blocks; ++m, ++step) {
+      const int row0 = m * kBlockM;
+      const int buf = step & 1;
+      Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      Barrier::wait(&ss.full[stage], phase);
+      wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+      wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
+      // Masking: needed unless every row of the block is real and sees every key of this block.
+      const int first_limit = int(allowed_keys(row0, blk.n, p.seqlen_q, p.is_causal));
+      const bool masked = row0 + kBlockM > p.seqlen_q || key0 + kBlockN > first_limit;
+      warpgroup_wait<1>();
+      // P^T in place of S^T (with softcap, t = tanh(s / softcap) kept for dS).
+      float tanh_t[kSoftcap ? kS : 1];
+#pragma unroll
+      for (int i = 0; i < kS; ++i) {
+        const int row = row0 + int(get<1>(cS(i)));
+        const float lse2 = row < p.seqlen_q ? __ldg(lse_h + row) * kLog2e : INFINITY;
+        float z = tSrS(i) * z_scale;
+        if constexpr (kSoftcap) {
+          tanh_t[i] = tanhf(z);
+          z = z_cap * tanh_t[i];
+        }
+        float prob = ex2_approx(z - lse2);
+        if (masked) {
+          const int limit = row < p.seqlen_q ? int(allowed_keys(row, blk.n, p.seqlen_q, p.is_causal)) : 0;
+          if (key0 + int(get<0>(cS(i))) >= limit) prob = 0.0f;
+        }
+        tSrS(i) = prob;
+      }
+      Tensor tdVrP = make_tensor_like<Element>(make_tensor(tSrS.data(), acc_to_a_layout(tSrS.layout())));
+      {
+        cutlass::NumericArrayConverter<Element, float, kS> convert;
+        *reinterpret_cast<cutlass::Array<Element, kS>*>(tdVrP.data()) =
+            convert(*reinterpret_cast<const cutlass::Array<float, kS>*>(tSrS.data()));
+      }
+      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
+      warpgroup_wait<1>();  // dP^T
+      // dS^T in place of dP^T; exactly 0 wherever P is (masked keys, padding, rows past Sq).
+#pragma unroll
+      for (int i = 0; i < kS; ++i) {
+        const int row = row0 + int(get<1>(cS(i)));
+        const float delta = row < p.seqlen_q ? __ldg(delta_h + row) : 0.0f;
+        float ds = tSrS(i) * (tdPrdP(i) - delta);
+        if constexpr (kSoftcap) ds *= 1.0f - tanh_t[i] * tanh_t[i];
+        tdPrdP(i) = tSrS(i) == 0.0f ? 0.0f : ds;
+      }
+      Tensor tdKrdS = make_tensor_like<Element>(make_tensor(tdPrdP.data(), acc_to_a_layout(tdPrdP.layout())));
+      {
+        cutlass::NumericArrayConverter<Element, float, kS> convert;
+        *reinterpret_cast<cutlass::Array<Element, kS>*>(tdKrdS.data()) =
+            convert(*reinterpret_cast<const cutlass::Array<float, kS>*>(tdPrdP.data()));
+      }
+      wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), tdKrdK);
+      // dS^T to shared memory (buffer `buf`), then dQ of the row block from both halves.
+      {
+        Tensor dst = tdSsdS(_, _, _, buf);
+#pragma unroll
+        for (int i = 0; i < kS; ++i) dst(i) = tdKrdS.data()[i];  // register order = S^T's
+      }
+      cutlass::arch::fence_view_async_shared();
+      named_sync(kBwdPairBarrier, Tr::kConsumerThreads);
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+      warpgroup_wait<0>();
+      release(&ss.empty[stage]);
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+
+      // dQ partial of this key block, in its turn (see the top of the file).
+      const int seen = blk.key_blocks_seen(p, m);
+      const int rank = seen - 1 - blk.n_block;  // >= 0: this block sees row block m
+      const int64_t unit = (int64_t(blk.b) * p.num_heads + h) * kp.num_m_blocks + m;
+      int* sem = bp.dq_semaphore + unit;
+      float* acc = bp.dq_accum + unit * (kBlockM * kHeadDim);
+      if (rank > 0) {
+        if (ct % 128 == 0)
+          while (load_acquire(sem) < 2 * rank) {
+          }
+        named_sync(kBwdDqBarrier + cwg, 128);
+      }
+      constexpr int kQ = decltype(size(cQ))::value;
+#pragma unroll
+      for (int i = 0; i < kQ; i += 2) {
+        const int r = int(get<0>(cQ(i))), c = int(get<1>(cQ(i)));
+        float2 v = make_float2(tdQrdQ(i), tdQrdQ(i + 1));
+        if (rank > 0) {
+          const float2 prev = __ldcg(reinterpret_cast<const float2*>(acc + r * kHeadDim + c));
+          v.x += prev.x;
+          v.y += prev.y;
+        }
+        if (blk.n_block == 0) {
+          if (row0 + r < p.seqlen_q && c < p.head_dim) {
+            cutlass::Array<Element, 2> pair;
+            pair[0] = Element(v.x * p.scale);
+            pair[1] = Element(v.y * p.scale);
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(
+                d_q + (row0 + r) * p.q_row_stride + h * p.q_head_stride + c) = pair;
+          }
+        } else {
+          __stcg(reinterpret_cast<float2*>(acc + r * kHeadDim + c), v);
+        }
+      }
+      if (blk.n_block > 0) {
+        __threadfence();
+        named_sync(kBwdDqBarrier + cwg, 128);
+        if (ct % 128 == 0) atomicAdd(sem, 1);
+      }
+    }
+  }
+
+  // Epilogue: dK (scaled) and dV of the block's keys, zeros past n_b.
+  constexpr int kKV = decltype(size(cKV))::value;
+#pragma unroll
+  for (int i = 0; i < kKV; i += 2) {
+    const int key = key0 + int(get<0>(cKV(i))), c = int(get<1>(cKV(i)));
+    if (key >= p.seqlen_k) continue;
+    const bool real = key < blk.n;
+    if (c < p.head_dim) {
+      cutlass::Array<Element, 2> pair;
+      pair[0] = Element(real ? tdKrdK(i) * p.scale : 0.0f);
+      pair[1] = Element(real ? tdKrdK(i + 1) * p.scale : 0.0f);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(d_k + key * p.k_row_stride + c) = pair;
+    }
+    if (c < p.head_dim_v) {
+      cutlass::Array<Element, 2> pair;
+      pair[0] = Element(real ? tdVrdV(i) : 0.0f);
+      pair[1] = Element(real ? tdVrdV(i + 1) : 0.0f);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(d_v + key * p.v_row_stride + c) = pair;
+    }
+  }
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
+  using Element = typename CutlassElem<Elem>::type;
+  using Tr = BwdTraits<Element, kHeadDim>;
+  const AttentionParams& p = bp.fwd;
+  auto view = [](const void* ptr, int64_t rows, int64_t dim, int64_t heads, int64_t batch, int64_t row_stride,
+                 int64_t head_stride, int64_t batch_stride) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_shape(int(rows), int(dim), int(heads), int(batch)),
+                       make_stride(row_stride, _1{}, head_stride, batch_stride));
+  };
+  auto mQ = view(p.q, p.seqlen_q, p.head_dim, p.num_heads, p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mdO = view(bp.d_out, p.seqlen_q, p.head_dim_v, p.num_heads, p.batch, p.out_row_stride, p.out_head_stride,
+                  p.out_batch_stride);
+  auto mK = view(p.k, p.seqlen_k, p.head_dim, p.kv_num_heads, p.batch, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = view(p.v, p.seqlen_k, p.head_dim_v, p.kv_num_heads, p.batch, p.v_row_stride, p.v_head_stride,
+                 p.v_batch_stride);
+  using LQ = decltype(take<0, 2>(typename Tr::SmemLayoutQ{}));
+  using LK = decltype(take<0, 2>(typename Tr::SmemLayoutK{}));
+  using TileQ = Shape<Int<Tr::kBlockM>, Int<kHeadDim>>;
+  using TileK = Shape<Int<Tr::kBlockN>, Int<kHeadDim>>;
+  BwdKernelParams<Tr> kp{make_tma_copy(SM90_TMA_LOAD{}, mQ, LQ{}, TileQ{}, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mdO, LQ{}, TileQ{}, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mK, LK{}, TileK{}, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mV, LK{}, TileK{}, _1{}),
+                         bp, int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM)};
+  const size_t sems = size_t(p.batch * p.num_heads * kp.num_m_blocks) * sizeof(int);
+  cudaError_t err = cudaMemsetAsync(bp.dq_semaphore, 0, sems, stream);
+  if (err != cudaSuccess) return err;
+  auto kernel = p.softcap > 0.0f ? bwd_sm90_kernel<Tr, true> : bwd_sm90_kernel<Tr, false>;
+  constexpr size_t kSmem = sizeof(BwdSharedStorage<Tr>);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(unsigned((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN), unsigned(p.kv_num_heads), unsigned(p.batch));
+  kernel<<<grid, Tr::kThreads, kSmem, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_varlen::cuda::sm90
