@@ -12,14 +12,20 @@
 //       dV += P^T dO and dK += dS^T Q            (RS wgmma: P^T, dS^T from registers; Q, dO
 //                                                 read MN-major through transposed views)
 //       dS^T -> shared memory; dQ_part = dS K     (SS, MN-major; the warpgroups split D)
+//       dQ_part -> shared memory, for the dQ writer
 //   dK and dV stay in registers for the whole walk and sum over the group's query heads.
+//   The producer warp also stages each step's lse (base 2) and delta rows in shared memory.
+// warpgroup 0, warp 1: the dQ writer (below).
 //
 // dQ: row block m of head h gets one partial per key block that it sees (n < nvis(m)); they
-// are summed in a fixed order, key blocks descending, through dq_accum (fp32) and a counter
-// per (b, h, m) in dq_semaphore: the partial of block n waits until the counter reaches
-// 2 * (nvis(m) - 1 - n) (two warpgroups per block), adds (the first one stores), and counts
-// itself; block 0 comes last and writes d_q itself, scaled and rounded. The order depends only
-// on the lengths, so d_q is bitwise deterministic. Every wait is on a block of higher n, which
+// are summed in a fixed order, key blocks descending, into dq_accum (fp32) with a counter per
+// (b, h, m) in dq_semaphore: the writer of block n waits until the counter reaches
+// nvis(m) - 1 - n, bulk-copies the partial from shared memory (the first one) or bulk-adds it
+// (cp.reduce.async.bulk, the others), waits for it to land, and counts itself. The consumers
+// never wait on the counter: they only hand the partial over through shared memory. A last
+// kernel writes d_q = scale * dq_accum in the input dtype (zero rows where no block sees the
+// row block). The order depends only on the lengths, so d_q is bitwise deterministic. Every
+// wait is on a block of higher n, which
 // has a lower blockIdx.x (x runs over key blocks in reverse) and so was dispatched earlier:
 // no deadlock whatever the residency. Under a causal mask block n's first row block comes
 // later the larger n is, so the blocks of one (b, g) reach a row block one after the other.
@@ -92,6 +98,10 @@ struct BwdTraits {
   using TmaQ = Tma<kBlockM>;   // Q and dO
   using TmaKV = Tma<kBlockN>;  // K and V
 
+  // dQ partial in shared memory: [kBlockM][kDqStride] fp32, rows padded by 8 floats (2-way
+  // bank conflicts for the consumers' float2 stores instead of 8-way), one bulk op per row.
+  static constexpr int kDqStride = kHeadDim + 8;
+  static constexpr uint32_t kBytesDqRow = kHeadDim * sizeof(float);
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);   // one Q or dO tile
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // one K or V tile
 };
@@ -103,9 +113,13 @@ struct alignas(1024) BwdSharedStorage {
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> v;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSt>, 1024> d_s;
+  alignas(16) float d_q[Tr::kBlockM * Tr::kDqStride];
+  float lse2[Tr::kStages][Tr::kBlockM];   // lse * log2 e of the step's rows, +inf past Sq
+  float delta[Tr::kStages][Tr::kBlockM];  // delta of the step's rows, 0 past Sq
   uint64_t full_kv;                  // K and V landed
-  uint64_t full[Tr::kStages];        // Q and dO of a step landed
+  uint64_t full[Tr::kStages];        // Q, dO, lse and delta of a step landed
   uint64_t empty[Tr::kStages];       // the consumers are done with the stage
+  uint64_t full_dq, empty_dq;        // consumers <-> dQ writer: the partial in d_q
 };
 
 template <typename Tr>
@@ -136,7 +150,6 @@ __device__ __forceinline__ int load_acquire(const int* ptr) {
 }
 
 constexpr int kBwdPairBarrier = 1;  // both consumer warpgroups: K tail zeroed, dS^T written
-constexpr int kBwdDqBarrier = 2;    // + warpgroup: its dQ turn (2 and 3)
 
 template <typename Tr, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_constant__ BwdKernelParams<Tr> kp) {
@@ -163,22 +176,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   const int h0 = blk.g * group;
   Element* d_k = static_cast<Element*>(bp.d_k) + blk.b * p.k_batch_stride + blk.g * p.k_head_stride;
   Element* d_v = static_cast<Element*>(bp.d_v) + blk.b * p.v_batch_stride + blk.g * p.v_head_stride;
-  Element* d_q = static_cast<Element*>(bp.d_q) + blk.b * p.q_batch_stride;
-
-  // Row blocks that no key block sees get d_q = 0 from block 0 (nobody else writes them).
-  if (blk.n_block == 0) {
-    const int chunks = int(p.head_dim / 8);
-    for (int m = 0; m < kp.num_m_blocks; ++m) {
-      if (blk.key_blocks_seen(p, m) > 0) continue;
-      const int64_t r0 = int64_t(m) * kBlockM;
-      const int rows = int(p.seqlen_q - r0 < kBlockM ? p.seqlen_q - r0 : kBlockM);
-      for (int idx = threadIdx.x; idx < group * rows * chunks; idx += Tr::kThreads) {
-        const int c = idx % chunks, r = idx / chunks % rows, hh = idx / chunks / rows;
-        *reinterpret_cast<uint4*>(d_q + (r0 + r) * p.q_row_stride + (h0 + hh) * p.q_head_stride + c * 8) =
-            make_uint4(0, 0, 0, 0);
-      }
-    }
-  }
   if (key0 >= blk.n) {  // a block wholly past n_b: zero gradients for its rows of Skv
     const int64_t rows = p.seqlen_k - key0 < kBlockN ? p.seqlen_k - key0 : kBlockN;
     const int ck = int(p.head_dim / 8), cv = int(p.head_dim_v / 8);
@@ -198,6 +195,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       Barrier::init(&ss.full[s], 1);
       Barrier::init(&ss.empty[s], Tr::kConsumerWarps);
     }
+    Barrier::init(&ss.full_dq, Tr::kConsumerWarps);
+    Barrier::init(&ss.empty_dq, 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -210,7 +209,47 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
 
   if (threadIdx.x < 128) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (threadIdx.x != 0) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp == 1) {  // the dQ writer
+      int phase_dq = 0;
+      for (int h = h0; h < h0 + group; ++h)
+        for (int m = blk.m_lo; m < kp.num_m_blocks; ++m) {
+          const int rank = blk.key_blocks_seen(p, m) - 1 - blk.n_block;  // >= 0
+          const int64_t unit = (int64_t(blk.b) * p.num_heads + h) * kp.num_m_blocks + m;
+          int* sem = bp.dq_semaphore + unit;
+          float* acc = bp.dq_accum + unit * (kBlockM * kHeadDim);
+          Barrier::wait(&ss.full_dq, phase_dq);
+          if (lane == 0 && rank > 0)
+            while (load_acquire(sem) < rank) {
+            }
+          __syncwarp();
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+#pragma unroll
+          for (int r = lane; r < kBlockM; r += 32) {
+            const uint32_t src = cute::cast_smem_ptr_to_uint(&ss.d_q[r * Tr::kDqStride]);
+            float* dst = acc + r * kHeadDim;
+            if (rank == 0)
+              asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                           :: "l"(dst), "r"(src), "r"(Tr::kBytesDqRow) : "memory");
+            else
+              asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                           :: "l"(dst), "r"(src), "r"(Tr::kBytesDqRow) : "memory");
+          }
+          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+          asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+          __syncwarp();
+          if (lane == 0) Barrier::arrive(&ss.empty_dq);  // d_q may be overwritten
+          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          __threadfence();
+          __syncwarp();
+          if (lane == 0) atomicAdd(sem, 1);
+          phase_dq ^= 1;
+        }
+      return;
+    }
+    if (warp != 0) return;
+    const bool leader = lane == 0;
     const int sq = int(p.seqlen_q), sk = int(p.seqlen_k);
     Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(sq, int(p.head_dim), int(p.num_heads), int(p.batch)));
     Tensor mdO = kp.tma_d_out.get_tma_tensor(make_shape(sq, int(p.head_dim_v), int(p.num_heads), int(p.batch)));
@@ -220,31 +259,46 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     auto tma_do = kp.tma_d_out.get_slice(0);
     auto tma_k = kp.tma_k.get_slice(0);
     auto tma_v = kp.tma_v.get_slice(0);
-    TxBarrier::arrive_and_expect_tx(&ss.full_kv, 2 * Tr::kBytesKV);
     using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
-    copy(kp.tma_k.with(ss.full_kv), tma_k.partition_S(local_tile(mK(_, _, blk.g, blk.b), TileKV{}, make_coord(blk.n_block, 0))),
-         tma_k.partition_D(sK(_, _, 0)));
-    copy(kp.tma_v.with(ss.full_kv), tma_v.partition_S(local_tile(mV(_, _, blk.g, blk.b), TileKV{}, make_coord(blk.n_block, 0))),
-         tma_v.partition_D(sV(_, _, 0)));
+    if (leader) {
+      TxBarrier::arrive_and_expect_tx(&ss.full_kv, 2 * Tr::kBytesKV);
+      copy(kp.tma_k.with(ss.full_kv), tma_k.partition_S(local_tile(mK(_, _, blk.g, blk.b), TileKV{}, make_coord(blk.n_block, 0))),
+           tma_k.partition_D(sK(_, _, 0)));
+      copy(kp.tma_v.with(ss.full_kv), tma_v.partition_S(local_tile(mV(_, _, blk.g, blk.b), TileKV{}, make_coord(blk.n_block, 0))),
+           tma_v.partition_D(sV(_, _, 0)));
+    }
     using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+    const float kLog2e = 1.4426950408889634f;
     int stage = 0, phase = 0;
-    for (int h = h0; h < h0 + group; ++h)
+    for (int h = h0; h < h0 + group; ++h) {
+      const int64_t rows_h = (int64_t(blk.b) * p.num_heads + h) * p.seqlen_q;
       for (int m = blk.m_lo; m < kp.num_m_blocks; ++m) {
         Barrier::wait(&ss.empty[stage], phase ^ 1);
-        TxBarrier::arrive_and_expect_tx(&ss.full[stage], 2 * Tr::kBytesQ);
-        copy(kp.tma_q.with(ss.full[stage]), tma_q.partition_S(local_tile(mQ(_, _, h, blk.b), TileQ{}, make_coord(m, 0))),
-             tma_q.partition_D(sQ(_, _, stage)));
-        copy(kp.tma_d_out.with(ss.full[stage]), tma_do.partition_S(local_tile(mdO(_, _, h, blk.b), TileQ{}, make_coord(m, 0))),
-             tma_do.partition_D(sdO(_, _, stage)));
+#pragma unroll
+        for (int r = lane; r < kBlockM; r += 32) {
+          const int64_t row = int64_t(m) * kBlockM + r;
+          const bool real = row < p.seqlen_q;
+          ss.lse2[stage][r] = real ? p.lse[rows_h + row] * kLog2e : INFINITY;
+          ss.delta[stage][r] = real ? bp.delta[rows_h + row] : 0.0f;
+        }
+        __syncwarp();
+        if (leader) {
+          TxBarrier::arrive_and_expect_tx(&ss.full[stage], 2 * Tr::kBytesQ);
+          copy(kp.tma_q.with(ss.full[stage]), tma_q.partition_S(local_tile(mQ(_, _, h, blk.b), TileQ{}, make_coord(m, 0))),
+               tma_q.partition_D(sQ(_, _, stage)));
+          copy(kp.tma_d_out.with(ss.full[stage]), tma_do.partition_S(local_tile(mdO(_, _, h, blk.b), TileQ{}, make_coord(m, 0))),
+               tma_do.partition_D(sdO(_, _, stage)));
+        }
         if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
+    }
     return;
   }
 
   // ------------------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
-  const int ct = threadIdx.x - 128;  // 0..255
-  const int cwg = ct / 128;          // keys [64 * cwg, +64) of the block; dQ columns [D/2 * cwg, +D/2)
+  const int ct = threadIdx.x - 128;  // 0..255: warpgroup ct / 128 owns keys [64 * (ct / 128), +64)
+                                   // of the block and dQ columns [D / 2 * (ct / 128), +D / 2)
   const int lane = threadIdx.x % 32;
   typename Tr::TiledMmaSdP mma_sdp;
   typename Tr::TiledMmadKV mma_dkv;
@@ -292,9 +346,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   }
 
   int stage = 0, phase = 0, step = 0;
+  int phase_dq = 0;
   for (int h = h0; h < h0 + group; ++h) {
-    const float* lse_h = p.lse + (int64_t(blk.b) * p.num_heads + h) * p.seqlen_q;
-    const float* delta_h = bp.delta + (int64_t(blk.b) * p.num_heads + h) * p.seqlen_q;
     for (int m = blk.m_lo; m < kp.num_m_blocks; ++m, ++step) {
       const int row0 = m * kBlockM;
       const int buf = step & 1;
@@ -312,7 +365,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
 #pragma unroll
       for (int i = 0; i < kS; ++i) {
         const int row = row0 + int(get<1>(cS(i)));
-        const float lse2 = row < p.seqlen_q ? __ldg(lse_h + row) * kLog2e : INFINITY;
+        const float lse2 = ss.lse2[stage][get<1>(cS(i))];
         float z = tSrS(i) * z_scale;
         if constexpr (kSoftcap) {
           tanh_t[i] = tanhf(z);
@@ -336,8 +389,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       // dS^T in place of dP^T; exactly 0 wherever P is (masked keys, padding, rows past Sq).
 #pragma unroll
       for (int i = 0; i < kS; ++i) {
-        const int row = row0 + int(get<1>(cS(i)));
-        const float delta = row < p.seqlen_q ? __ldg(delta_h + row) : 0.0f;
+        const float delta = ss.delta[stage][get<1>(cS(i))];
         float ds = tSrS(i) * (tdPrdP(i) - delta);
         if constexpr (kSoftcap) ds *= 1.0f - tanh_t[i] * tanh_t[i];
         tdPrdP(i) = tSrS(i) == 0.0f ? 0.0f : ds;
@@ -362,46 +414,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       warpgroup_wait<0>();
       release(&ss.empty[stage]);
       if (++stage == kStages) { stage = 0; phase ^= 1; }
-
-      // dQ partial of this key block, in its turn (see the top of the file).
-      const int seen = blk.key_blocks_seen(p, m);
-      const int rank = seen - 1 - blk.n_block;  // >= 0: this block sees row block m
-      const int64_t unit = (int64_t(blk.b) * p.num_heads + h) * kp.num_m_blocks + m;
-      int* sem = bp.dq_semaphore + unit;
-      float* acc = bp.dq_accum + unit * (kBlockM * kHeadDim);
-      if (rank > 0) {
-        if (ct % 128 == 0)
-          while (load_acquire(sem) < 2 * rank) {
-          }
-        named_sync(kBwdDqBarrier + cwg, 128);
-      }
+      // The dQ partial to shared memory, once the writer has read the previous one.
+      Barrier::wait(&ss.empty_dq, phase_dq ^ 1);
       constexpr int kQ = decltype(size(cQ))::value;
 #pragma unroll
-      for (int i = 0; i < kQ; i += 2) {
-        const int r = int(get<0>(cQ(i))), c = int(get<1>(cQ(i)));
-        float2 v = make_float2(tdQrdQ(i), tdQrdQ(i + 1));
-        if (rank > 0) {
-          const float2 prev = __ldcg(reinterpret_cast<const float2*>(acc + r * kHeadDim + c));
-          v.x += prev.x;
-          v.y += prev.y;
-        }
-        if (blk.n_block == 0) {
-          if (row0 + r < p.seqlen_q && c < p.head_dim) {
-            cutlass::Array<Element, 2> pair;
-            pair[0] = Element(v.x * p.scale);
-            pair[1] = Element(v.y * p.scale);
-            *reinterpret_cast<cutlass::Array<Element, 2>*>(
-                d_q + (row0 + r) * p.q_row_stride + h * p.q_head_stride + c) = pair;
-          }
-        } else {
-          __stcg(reinterpret_cast<float2*>(acc + r * kHeadDim + c), v);
-        }
-      }
-      if (blk.n_block > 0) {
-        __threadfence();
-        named_sync(kBwdDqBarrier + cwg, 128);
-        if (ct % 128 == 0) atomicAdd(sem, 1);
-      }
+      for (int i = 0; i < kQ; i += 2)
+        *reinterpret_cast<float2*>(&ss.d_q[int(get<0>(cQ(i))) * Tr::kDqStride + int(get<1>(cQ(i)))]) =
+            make_float2(tdQrdQ(i), tdQrdQ(i + 1));
+      cutlass::arch::fence_view_async_shared();
+      release(&ss.full_dq);
+      phase_dq ^= 1;
     }
   }
 
@@ -425,6 +447,38 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       *reinterpret_cast<cutlass::Array<Element, 2>*>(d_v + key * p.v_row_stride + c) = pair;
     }
   }
+}
+
+// d_q [b, i, h, :D] = scale * dq_accum of (b, h, row block of i), zero where no key block sees
+// that row block. One thread per 4 columns.
+template <typename Tr>
+__global__ void __launch_bounds__(256) bwd_sm90_dq_kernel(const __grid_constant__ BackwardParams bp, int num_m_blocks) {
+  using Element = typename Tr::Element;
+  const AttentionParams& p = bp.fwd;
+  const int chunks = int(p.head_dim / 4);
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t rows = p.batch * p.seqlen_q * p.num_heads;
+  if (idx >= rows * chunks) return;
+  const int c = int(idx % chunks) * 4;
+  const int64_t row = idx / chunks;  // (b, i, h)
+  const int h = int(row % p.num_heads);
+  const int64_t i = row / p.num_heads % p.seqlen_q;
+  const int b = int(row / p.num_heads / p.seqlen_q);
+  BwdBlock blk{};
+  blk.n = int(clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k));
+  const int m = int(i / Tr::kBlockM);
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (blk.key_blocks_seen(p, m) > 0) {
+    const int64_t unit = (int64_t(b) * p.num_heads + h) * num_m_blocks + m;
+    v = __ldcs(reinterpret_cast<const float4*>(bp.dq_accum + (unit * Tr::kBlockM + i % Tr::kBlockM) * Tr::kHeadDim + c));
+  }
+  cutlass::Array<Element, 4> out;
+  out[0] = Element(v.x * p.scale);
+  out[1] = Element(v.y * p.scale);
+  out[2] = Element(v.z * p.scale);
+  out[3] = Element(v.w * p.scale);
+  Element* d_q = static_cast<Element*>(bp.d_q) + b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride + c;
+  *reinterpret_cast<cutlass::Array<Element, 4>*>(d_q) = out;
 }
 
 template <typename Elem, int kHeadDim>
@@ -462,6 +516,10 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const dim3 grid(unsigned((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN), unsigned(p.kv_num_heads), unsigned(p.batch));
   kernel<<<grid, Tr::kThreads, kSmem, stream>>>(kp);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int64_t threads = p.batch * p.seqlen_q * p.num_heads * (p.head_dim / 4);
+  bwd_sm90_dq_kernel<Tr><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(bp, kp.num_m_blocks);
   return cudaGetLastError();
 }
 
