@@ -36,7 +36,7 @@
 // land as zeros (TMA) and are masked out.
 #pragma once
 
-#include "cuda/sm90/fwd_sm90.cuh"
+#include "cuda/sm90/common.h"
 
 namespace jax_varlen::cuda::sm90 {
 

@@ -24,31 +24,9 @@
 // way wherever it runs, so results are bitwise deterministic and batch invariant.
 #pragma once
 
-// The 64xNx16 wgmma shapes with N not a multiple of 32 (N = 80 key tiles at head dim 256).
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
-#include <cutlass/cutlass.h>
-#include <cutlass/gemm/collective/builders/sm90_common.inl>
-#include <cutlass/numeric_conversion.h>
-#include <cutlass/numeric_types.h>
-
-#include "cuda/launch.h"
-#include "params.h"
+#include "cuda/sm90/common.h"
 
 namespace jax_varlen::cuda::sm90 {
-
-using namespace cute;
-
-template <typename Elem> struct CutlassElem;
-template <> struct CutlassElem<__half> { using type = cutlass::half_t; };
-template <> struct CutlassElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
 // Keys per tile: the widest that fits shared memory (Q + 2 stages of K and V: 96, 208 and 224 KB)
 // and registers (S, P and O of 64 rows per consumer thread group).
@@ -216,52 +194,12 @@ __device__ void sort_sequences(const AttentionParams& p, SharedStorage<Tr>& ss) 
   }
 }
 
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Named barriers: the consumer ping-pong (warpgroup i waits on kSchedBarrier + i), and each
 // consumer warpgroup's own barrier after it zeroed a V tail.
 constexpr int kSchedBarrier = 1;
 constexpr int kZeroBarrier = 3;
 // Units of at most this many key tiles hand over turns for every GEMM (see the consumer).
 constexpr int kShortUnitTiles = 4;
-
-// acc ((2, 2, N/8), 1, 1) fp32 of an m64nNk16 wgmma -> A operand ((2, 2, 2), 1, N/16) of the next
-// one: the same registers in the same order (the element of row half h, column pair c, 8-column
-// group j sits at index c + 2h + 4j in both), only regrouped by 16 columns.
-template <typename Layout0>
-__device__ __forceinline__ auto acc_to_a_layout(Layout0 acc) {
-  auto l = logical_divide(get<0, 2>(acc), Tile<_2>{});
-  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(l)), get<1>(acc),
-                     coalesce(make_layout(get<0, 1>(l), get<2>(acc))));
-}
-
-// Issues C (+)= A B on the warpgroup (no wait): every K step of the tiled MMA, then commit.
-template <bool kZeroInit, typename Mma, typename TA, typename TB, typename TC>
-__device__ __forceinline__ void wgmma_issue(Mma& mma, TA const& a, TB const& b, TC& c) {
-  constexpr bool kRegsA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
-  if constexpr (kRegsA) warpgroup_fence_operand(const_cast<TA&>(a));
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegsA) warpgroup_fence_operand(const_cast<TA&>(a));
-}
 
 // Online softmax of one consumer thread's rows. Scores live in base 2 (z = s * scale * log2 e,
 // or softcap * log2 e * tanh(s * scale / softcap)), so exp is one ex2.approx; m is the running
@@ -621,16 +559,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       if ((lane & 3) == 0) lse_at(rr) = any ? softmax.m[rr] * kLn2 + logf(sum) : -INFINITY;
     }
   }
-}
-
-// Number of SMs of the current device, read once per device.
-inline int sm_count() {
-  constexpr int kMaxDevices = 64;
-  static int count[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) return 1;
-  if (count[dev] == 0) cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev);
-  return count[dev] > 0 ? count[dev] : 1;
 }
 
 template <typename Elem, int kHeadDim>

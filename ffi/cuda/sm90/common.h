@@ -1,0 +1,82 @@
+// Pieces that the Hopper kernels (fwd_sm90.cuh, bwd_sm90.cuh) share: the CuTe/CUTLASS includes,
+// dtype mapping, named barriers, ex2, the accumulator-to-A-operand register view, one wgmma
+// issue helper, and the SM count.
+#pragma once
+
+// The 64xNx16 wgmma shapes with N not a multiple of 32 (N = 80 key tiles at head dim 256).
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "cuda/launch.h"
+#include "params.h"
+
+namespace jax_varlen::cuda::sm90 {
+
+using namespace cute;
+
+template <typename Elem> struct CutlassElem;
+template <> struct CutlassElem<__half> { using type = cutlass::half_t; };
+template <> struct CutlassElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// acc ((2, 2, N/8), 1, 1) fp32 of an m64nNk16 wgmma -> A operand ((2, 2, 2), 1, N/16) of the next
+// one: the same registers in the same order (the element of row half h, column pair c, 8-column
+// group j sits at index c + 2h + 4j in both), only regrouped by 16 columns.
+template <typename Layout0>
+__device__ __forceinline__ auto acc_to_a_layout(Layout0 acc) {
+  auto l = logical_divide(get<0, 2>(acc), Tile<_2>{});
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(l)), get<1>(acc),
+                     coalesce(make_layout(get<0, 1>(l), get<2>(acc))));
+}
+
+// Issues C (+)= A B on the warpgroup (no wait): every K step of the tiled MMA, then commit.
+template <bool kZeroInit, typename Mma, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void wgmma_issue(Mma& mma, TA const& a, TB const& b, TC& c) {
+  constexpr bool kRegsA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
+  if constexpr (kRegsA) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegsA) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// Number of SMs of the current device, read once per device.
+inline int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static int count[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) return 1;
+  if (count[dev] == 0) cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev);
+  return count[dev] > 0 ? count[dev] : 1;
+}
+
+}  // namespace jax_varlen::cuda::sm90
