@@ -6,8 +6,16 @@ default device, compares both with ``jax_varlen.reference``, and times it agains
 ``jax.nn.dot_product_attention(..., key_value_seq_lengths=lens)`` (``implementation="xla"``, and
 ``"cudnn"`` on a GPU).
 
-Exit status: 0 when both checks pass, 1 when one fails, 2 when the package cannot run here
-(the compiled extension is missing, or it was built without CUDA and the device is a GPU).
+Then a training step: ``jax.jit(jax.grad(...))`` of ``sum(out * d_out)`` (a fixed random
+``d_out`` in the dtype of ``out``) with respect to query, key and value, compared with the same
+gradients of ``jax_varlen.reference`` in float32 at ``"highest"`` matmul precision (max error
+relative to the oracle's max magnitude, per gradient), with exactly zero gradient required on
+the padded keys and values; it is timed against the gradients of the same padded
+``jax.nn.dot_product_attention`` calls.
+
+Exit status: 0 when all three checks (jit, vmap, grad) pass, 1 when one fails, 2 when the
+package cannot run here (the compiled extension is missing, or it was built without CUDA and
+the device is a GPU).
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # Elementwise check: |ours - reference| <= atol + rtol * |reference|. Outputs are O(1) (softmax
 # averages of N(0, 1) values), so the half-precision bounds are a few units in the last place.
 _TOLERANCE = {"float32": (1e-4, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 3.2e-2)}
+# Gradient check: max |ours - oracle| <= rtol * max |oracle|, per gradient. An elementwise bound
+# does not fit gradients: d_key and d_value sum over all Sq queries, so entries near zero carry
+# the rounding of much larger terms. float32 covers accumulation order; 16-bit covers the
+# gradient's own rounding (2^-12 float16, 2^-9 bfloat16 relative), the rounded ``out`` inside
+# the backward's row sums, and kernels that round P and dS to the input dtype.
+_GRAD_RTOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
+_GRAD_NAMES = ("dq", "dk", "dv")
 _SEED = 0
 _VMAP_SIZE = 2
 
@@ -36,7 +51,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m jax_varlen",
         description="Check jax_varlen.attention against jax_varlen.reference (under jit and "
-        "vmap) and time it against padded jax.nn.dot_product_attention.",
+        "vmap) and its jax.grad (under jit) against the reference's, and time both against "
+        "padded jax.nn.dot_product_attention.",
     )
     p.add_argument("--batch", type=int, default=8, help="B (default 8)")
     p.add_argument("--seqlen-q", type=int, default=512, help="Sq (default 512)")
@@ -177,6 +193,27 @@ def max_error(out, ref, dtype_name):
     return float(np.max(err)), ok  # NaN anywhere shows as nan
 
 
+def grad_errors(grads, oracle, lengths, dtype_name):
+    """Per gradient, max |ours - oracle| / max |oracle|; and whether all are within tolerance
+    and the padded keys' gradients are exactly zero.
+
+    grads, oracle: (d_query [B, Sq, H, D], d_key [B, Skv, Hkv, D], d_value [B, Skv, Hkv, Dv]);
+    lengths: [B] valid keys per sequence.
+    """
+    errs = []
+    for g, o in zip(grads, oracle):
+        g = np.asarray(g, np.float32)
+        o = np.asarray(o, np.float32)
+        # tiny, not 0: an all-zero oracle then reads as exact (0) or far off (huge), never nan
+        scale = max(float(np.max(np.abs(o))), float(np.finfo(np.float32).tiny))
+        errs.append(float(np.max(np.abs(g - o))) / scale)  # NaN anywhere shows as nan
+    ok = all(e <= _GRAD_RTOL[dtype_name] for e in errs)  # NaN compares False: fails
+    skv = np.asarray(grads[1]).shape[1]
+    padded = np.arange(skv)[None, :] >= np.asarray(lengths)[:, None]  # [B, Skv]
+    zero_padding = all(bool(np.all(np.asarray(g)[padded] == 0)) for g in grads[1:])
+    return errs, ok, zero_padding
+
+
 def median_ms(fn, *args, iters: int, warmup: int = 2) -> float:
     import jax
 
@@ -204,6 +241,24 @@ def _version(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "?"
+
+
+def loss_grad(attn):
+    """``jax.jit(jax.grad)`` of ``sum(attn(q, k, v, lens) * d_out)`` with respect to q, k, v.
+
+    attn: ``(q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], lens [B]) -> out
+    [B, Sq, H, Dv]``. The returned function takes ``(q, k, v, lens, d_out)``, d_out shaped and
+    typed like out, and returns ``(d_q, d_k, d_v)`` shaped and typed like q, k, v. The loss sums
+    in float32 so that 16-bit inputs do not round it; out's cotangent is then d_out exactly.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, k, v, lens, d_out):
+        out = attn(q, k, v, lens)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def print_header(device, args, dtype_name, lengths):
@@ -305,14 +360,55 @@ def main(argv=None) -> int:
         else:
             err = f"{max_error(out, ref, dtype_name)[0]:.2e} (info)"
         rows.append((name, t, f"{t / t_ours:.2f}x", err))
+
+    # Training step. The oracle differentiates the reference on the inputs upcast (exactly) to
+    # float32, at "highest" precision so that a GPU's TF32 matmuls do not blur it.
+    d_out = jax.random.normal(jax.random.fold_in(keys[0], 1), ref.shape, ref.dtype)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    with jax.default_matmul_precision("highest"):
+        oracle = loss_grad(reference)(*f32[:3], lens, f32[3])
+    ours_grad = loss_grad(functools.partial(jax_varlen.attention, is_causal=args.causal))
+    grad_errs, ok_grad_err, zero_padding = grad_errors(
+        ours_grad(q, k, v, lens, d_out), oracle, lengths, dtype_name)
+    ok_grad = ok_grad_err and zero_padding
+
+    def grad_text(errs):
+        return " ".join(f"{n} {e:.2e}" for n, e in zip(_GRAD_NAMES, errs))
+
+    t_grad = median_ms(ours_grad, q, k, v, lens, d_out, iters=args.iters)
+    grad_verdict = f"{grad_text(grad_errs)} (rel) {'ok' if ok_grad else 'FAIL'}"
+    if not zero_padding:
+        grad_verdict += " (padded keys' dk/dv not zero)"
+    rows.append(("jax_varlen grad (jit)", t_grad, "1.00x", grad_verdict))
+    for impl in peers:
+        name = f"jax.nn {impl} grad (padded)"
+
+        def padded_attn(q, k, v, lens, impl=impl):  # binds this impl, whenever jit traces
+            return jax.nn.dot_product_attention(
+                q, k, v, key_value_seq_lengths=lens, is_causal=args.causal, implementation=impl)
+
+        fn = loss_grad(padded_attn)
+        try:
+            grads = fn(q, k, v, lens, d_out)
+            t = median_ms(fn, q, k, v, lens, d_out, iters=args.iters)
+        except Exception as e:  # cuDNN's backward refuses more than its forward
+            rows.append((name, None, "-", f"failed: {_first_line(e)}"))
+            continue
+        if args.causal:
+            err = "n/a (top-left causal)"
+        else:
+            err = f"{grad_text(grad_errors(grads, oracle, lengths, dtype_name)[0])} (rel, info)"
+        rows.append((name, t, f"{t / t_grad:.2f}x", err))
     print()
     print_table(rows)
 
     atol, rtol = _TOLERANCE[dtype_name]
-    passed = ok_jit and ok_vmap
+    passed = ok_jit and ok_vmap and ok_grad
     print(
         f"\n{'PASS' if passed else 'FAIL'}: jit and vmap against jax_varlen.reference "
-        f"(|err| <= {atol:g} + {rtol:g} * |ref|); times are medians of {args.iters} runs"
+        f"(|err| <= {atol:g} + {rtol:g} * |ref|); grad of sum(out * d_out) w.r.t. q, k, v\n"
+        f"against the reference's in float32 (max |err| <= {_GRAD_RTOL[dtype_name]:g} * "
+        f"max |oracle| each, exactly 0 on padded keys); times are medians of {args.iters} runs"
     )
     return 0 if passed else 1
 
