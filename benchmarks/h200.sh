@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [ncu]   (default: tests bench)
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [ncu] [cmd]   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
 # GPU-only files tests/test_gpu_*.py); bench = every named non-decode shape forward (bf16, plus
 # f16 of d128-full and d128-skewed), jax_varlen / cuDNN / FA3 / XLA; train = train + bwd records
 # (jax_varlen / cuDNN / FA3) on the six training shapes; decode = the decode shapes; sweep = the
-# decode sweep; ncu = Nsight Compute on one call of each forward kernel.
+# decode sweep; ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
+# $CMD (run from /tmp with the build installed, $R = the repository root; limit CMD_S, 120 s).
 # The whole call is held to TOTAL_S (default 540 s, from the start of this script): each stage's
 # limit is cut to what is left, a stage with under 30 s left is skipped, and bench.py is told
 # to stop starting measurements in time to write its files (they are rewritten after every
@@ -98,7 +99,9 @@ for stage in $STAGES; do
     sweep) L=$(limit "${SWEEP_S:-240}") || { echo "sweep: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/decode_sweep.py" --out "$OUT" \
         --budget-s $((L - 30)) 2>&1 | tee "$OUT/decode_sweep.log" | tail -24 ;;
-    *) echo "unknown stage $stage (tests bench train decode sweep ncu)"; continue ;;
+    cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
+      R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
+    *) echo "unknown stage $stage (tests bench train decode sweep ncu cmd)"; continue ;;
   esac
   echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done

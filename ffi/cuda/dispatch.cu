@@ -165,8 +165,9 @@ cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream) {
   BackwardParams args = bp;
 #if defined(JAX_VARLEN_WITH_SM90)
   const int64_t need = bwd_sm90_workspace_elements(p);
+  const int64_t n_blocks = (p.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;  // its grid: n_blocks x B x Hkv
   if (tc && major == 9 && sm90_takes(p) && p.seqlen_q > 0 && need > 0 && bp.dq_elements >= need &&
-      aligned16(bp.dq_accum)) {
+      aligned16(bp.dq_accum) && n_blocks * p.batch * p.kv_num_heads <= INT32_MAX) {
     fn = kBwdSm90[int(p.dtype)][bucket(p)];
     const int64_t sems = p.batch * p.num_heads * ((p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM);
     args.dq_semaphore = reinterpret_cast<int32_t*>(bp.dq_accum + (need - sems));

@@ -21,7 +21,8 @@ constexpr int kSplitKeys = 1024;
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of kBwdBlockN keys per CTA, steps of
 // kBwdBlockM query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the sm80
 // kernels). Its dQ workspace (float32 elements, an XLA output the CUDA backward always gets):
-//   dq_accum     [batch, num_heads, m_blocks, kBwdBlockM, bucket]   m_blocks = ceil(Sq / kBwdBlockM)
+//   dq_accum     [batch, num_heads, m_blocks, kBwdBlockM * bucket]   m_blocks = ceil(Sq / kBwdBlockM)
+//                (each row block's tile in the consumers' register order, bwd_sm90.cuh)
 //   dq_semaphore [batch, num_heads, m_blocks] int32, right after it
 // bucket = the head-dim bucket of max(D, Dv); 0 elements when it is past kBwdSm90MaxHeadDim.
 constexpr int kBwdBlockM = 64;

@@ -11,8 +11,9 @@
 //       P^T = exp(S^T - lse), masked; dS^T = P^T (dP^T - delta) (times 1 - t^2 with softcap)
 //       dV += P^T dO and dK += dS^T Q            (RS wgmma: P^T, dS^T from registers; Q, dO
 //                                                 read MN-major through transposed views)
-//       dS^T -> shared memory; dQ_part = dS K     (SS, MN-major; the warpgroups split D)
-//       dQ_part -> shared memory, for the dQ writer
+//       dS^T -> shared memory; dQ_part = dS K     (SS, MN-major; the warpgroups split D),
+//       issued before dK so that each warpgroup's half of dQ_part goes to shared memory, for
+//       the dQ writer, while dK runs
 //   dK and dV stay in registers for the whole walk and sum over the group's query heads.
 //   The producer warp also stages each step's lse (base 2) and delta rows in shared memory.
 // warpgroup 0, warp 1: the dQ writer (below).
@@ -20,13 +21,14 @@
 // dQ: row block m of head h gets one partial per key block that it sees (n < nvis(m)); they
 // are summed in a fixed order, key blocks descending, into dq_accum (fp32) with a counter per
 // (b, h, m) in dq_semaphore: the writer of block n waits until the counter reaches
-// nvis(m) - 1 - n, bulk-copies the partial from shared memory (the first one) or bulk-adds it
-// (cp.reduce.async.bulk, the others), waits for it to land, and counts itself. The consumers
-// never wait on the counter: they only hand the partial over through shared memory. A last
+// nvis(m) - 1 - n, bulk-copies each warpgroup's half from shared memory (the first partial) or
+// bulk-adds it (cp.reduce.async.bulk, the others) -- one 16 KB op per half, in the order the
+// registers hold it --, waits for it to land, and counts itself. The consumers never wait on
+// the counter: they only hand the halves over through shared memory. A last
 // kernel writes d_q = scale * dq_accum in the input dtype (zero rows where no block sees the
 // row block). The order depends only on the lengths, so d_q is bitwise deterministic. Every
-// wait is on a block of higher n, which
-// has a lower blockIdx.x (x runs over key blocks in reverse) and so was dispatched earlier:
+// wait is on a block of higher n, which has a lower blockIdx.x (x runs over key blocks in
+// reverse, the (b, g) pairs fastest) and so was dispatched earlier:
 // no deadlock whatever the residency. Under a causal mask block n's first row block comes
 // later the larger n is, so the blocks of one (b, g) reach a row block one after the other.
 //
@@ -98,10 +100,13 @@ struct BwdTraits {
   using TmaQ = Tma<kBlockM>;   // Q and dO
   using TmaKV = Tma<kBlockN>;  // K and V
 
-  // dQ partial in shared memory: [kBlockM][kDqStride] fp32, rows padded by 8 floats (2-way
-  // bank conflicts for the consumers' float2 stores instead of 8-way), one bulk op per row.
-  static constexpr int kDqStride = kHeadDim + 8;
-  static constexpr uint32_t kBytesDqRow = kHeadDim * sizeof(float);
+  // dQ partial: each consumer warpgroup's [kBlockM, kHeadDim / 2] half of the tile, in its
+  // accumulator's register order: value v of consumer thread t at (v / 4) * 512 + 4 t + v % 4
+  // (float4 stores of consecutive threads to consecutive 16 bytes: no bank conflicts). The
+  // workspace keeps that order, so one bulk op per half moves it; bwd_sm90_dq_kernel undoes it
+  // through the same MMA partition.
+  static constexpr int kDqHalf = kBlockM * kHeadDim / 2;  // floats per warpgroup half
+  static constexpr uint32_t kBytesDqHalf = kDqHalf * sizeof(float);
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);   // one Q or dO tile
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // one K or V tile
 };
@@ -113,13 +118,13 @@ struct alignas(1024) BwdSharedStorage {
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> v;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSt>, 1024> d_s;
-  alignas(16) float d_q[Tr::kBlockM * Tr::kDqStride];
+  alignas(128) float d_q[2][Tr::kDqHalf];  // the dQ partial, one half per consumer warpgroup
   float lse2[Tr::kStages][Tr::kBlockM];   // lse * log2 e of the step's rows, +inf past Sq
   float delta[Tr::kStages][Tr::kBlockM];  // delta of the step's rows, 0 past Sq
   uint64_t full_kv;                  // K and V landed
   uint64_t full[Tr::kStages];        // Q, dO, lse and delta of a step landed
   uint64_t empty[Tr::kStages];       // the consumers are done with the stage
-  uint64_t full_dq, empty_dq;        // consumers <-> dQ writer: the partial in d_q
+  uint64_t full_dq[2], empty_dq[2];  // consumer warpgroup w <-> dQ writer: the half d_q[w]
 };
 
 template <typename Tr>
@@ -128,6 +133,7 @@ struct BwdKernelParams {
   typename Tr::TmaKV tma_k, tma_v;
   BackwardParams bp;
   int num_m_blocks;  // ceil(seqlen_q / kBlockM)
+  int num_n_blocks;  // ceil(seqlen_k / kBlockN)
 };
 
 // The steps of one CTA: row blocks [m_lo, num_m_blocks) of each query head of the group, and
@@ -163,9 +169,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
   BwdBlock blk;
-  blk.n_block = int(gridDim.x) - 1 - int(blockIdx.x);
-  blk.g = int(blockIdx.y);
-  blk.b = int(blockIdx.z);
+  {  // blockIdx.x = (num_n_blocks - 1 - n) * pairs + b * kv_num_heads + g: key blocks descending,
+     // every (b, g) pair at one key block before the next block
+    const int pairs = int(p.batch * p.kv_num_heads);
+    blk.n_block = int(kp.num_n_blocks) - 1 - int(blockIdx.x) / pairs;
+    blk.g = int(blockIdx.x) % pairs % int(p.kv_num_heads);
+    blk.b = int(blockIdx.x) % pairs / int(p.kv_num_heads);
+  }
   blk.n = int(clamp_seqlen(p.nonpad_kv_seqlen[blk.b], p.seqlen_k));
   const int key0 = blk.n_block * kBlockN;
   {  // first row that sees key0: i + n - Sq >= key0 under the mask, every row otherwise
@@ -195,8 +205,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       Barrier::init(&ss.full[s], 1);
       Barrier::init(&ss.empty[s], Tr::kConsumerWarps);
     }
-    Barrier::init(&ss.full_dq, Tr::kConsumerWarps);
-    Barrier::init(&ss.empty_dq, 1);
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      Barrier::init(&ss.full_dq[w], Tr::kConsumerWarps / 2);
+      Barrier::init(&ss.empty_dq[w], 1);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -218,32 +231,41 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           const int64_t unit = (int64_t(blk.b) * p.num_heads + h) * kp.num_m_blocks + m;
           int* sem = bp.dq_semaphore + unit;
           float* acc = bp.dq_accum + unit * (kBlockM * kHeadDim);
-          Barrier::wait(&ss.full_dq, phase_dq);
-          if (lane == 0 && rank > 0)
-            while (load_acquire(sem) < rank) {
-            }
-          __syncwarp();
-          asm volatile("fence.proxy.async.global;" ::: "memory");
+          // The halves in warpgroup order, each once its warpgroup handed it over; the first
+          // waits for the block ahead in the order.
 #pragma unroll
-          for (int r = lane; r < kBlockM; r += 32) {
-            const uint32_t src = cute::cast_smem_ptr_to_uint(&ss.d_q[r * Tr::kDqStride]);
-            float* dst = acc + r * kHeadDim;
-            if (rank == 0)
-              asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                           :: "l"(dst), "r"(src), "r"(Tr::kBytesDqRow) : "memory");
-            else
-              asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                           :: "l"(dst), "r"(src), "r"(Tr::kBytesDqRow) : "memory");
+          for (int w = 0; w < 2; ++w) {
+            Barrier::wait(&ss.full_dq[w], phase_dq);
+            if (w == 0) {
+              if (lane == 0 && rank > 0)
+                while (load_acquire(sem) < rank) {
+                }
+              __syncwarp();
+              asm volatile("fence.proxy.async.global;" ::: "memory");
+            }
+            if (lane == 0) {
+              const uint32_t src = cute::cast_smem_ptr_to_uint(ss.d_q[w]);
+              float* dst = acc + w * Tr::kDqHalf;
+              if (rank == 0)
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                             :: "l"(dst), "r"(src), "r"(Tr::kBytesDqHalf) : "memory");
+              else
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                             :: "l"(dst), "r"(src), "r"(Tr::kBytesDqHalf) : "memory");
+              asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            }
           }
-          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-          asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+          if (lane == 0) {
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            Barrier::arrive(&ss.empty_dq[0]);  // d_q[0] may be overwritten
+            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            Barrier::arrive(&ss.empty_dq[1]);
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+            __threadfence();
+            atomicAdd(sem, 1);  // the partial landed: the next block in the order may add
+          }
           __syncwarp();
-          if (lane == 0) Barrier::arrive(&ss.empty_dq);  // d_q may be overwritten
-          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-          asm volatile("fence.proxy.async.global;" ::: "memory");
-          __threadfence();
-          __syncwarp();
-          if (lane == 0) atomicAdd(sem, 1);
           phase_dq ^= 1;
         }
       return;
@@ -300,6 +322,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   const int ct = threadIdx.x - 128;  // 0..255: warpgroup ct / 128 owns keys [64 * (ct / 128), +64)
                                    // of the block and dQ columns [D / 2 * (ct / 128), +D / 2)
   const int lane = threadIdx.x % 32;
+  const int wg = ct / 128;
   typename Tr::TiledMmaSdP mma_sdp;
   typename Tr::TiledMmadKV mma_dkv;
   typename Tr::TiledMmadQ mma_dq;
@@ -319,10 +342,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, M, K, buffers)
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt(_, _, 0));
   Tensor tdSsdS = thr_sdp.partition_C(sdSt);            // this thread's dS^T elements, per buffer
-  // (key, row) of this thread's S^T elements; (row, column) of its dQ and (key, column) of its
-  // dK/dV elements.
+  // (key, row) of this thread's S^T elements and (key, column) of its dK/dV elements.
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
-  Tensor cQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -400,8 +421,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
         *reinterpret_cast<cutlass::Array<Element, kS>*>(tdKrdS.data()) =
             convert(*reinterpret_cast<const cutlass::Array<float, kS>*>(tdPrdP.data()));
       }
-      wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), tdKrdK);
-      // dS^T to shared memory (buffer `buf`), then dQ of the row block from both halves.
+      // dS^T to shared memory (buffer `buf`) for dQ of the row block from both halves; dQ is
+      // issued before dK so that its partial goes out while dK runs.
       {
         Tensor dst = tdSsdS(_, _, _, buf);
 #pragma unroll
@@ -411,18 +432,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       named_sync(kBwdPairBarrier, Tr::kConsumerThreads);
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
-      warpgroup_wait<0>();
+      wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), tdKrdK);
+      warpgroup_wait<1>();  // dQ (dK in flight)
+      warpgroup_fence_operand(tdQrdQ);
+      // The dQ partial to this warpgroup's half, once the writer has read the previous one.
+      Barrier::wait(&ss.empty_dq[wg], phase_dq ^ 1);
+      {
+        constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
+        float* dst = ss.d_q[wg] + 4 * (ct % 128);
+#pragma unroll
+        for (int i = 0; i < kQ; i += 4)
+          *reinterpret_cast<float4*>(dst + i * 128) = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+      }
+      cutlass::arch::fence_view_async_shared();
+      release(&ss.full_dq[wg]);
+      warpgroup_wait<0>();  // dK
+      warpgroup_fence_operand(tdKrdK);
+      warpgroup_fence_operand(tdKrdS);  // its registers stay live until dK has read them
       release(&ss.empty[stage]);
       if (++stage == kStages) { stage = 0; phase ^= 1; }
-      // The dQ partial to shared memory, once the writer has read the previous one.
-      Barrier::wait(&ss.empty_dq, phase_dq ^ 1);
-      constexpr int kQ = decltype(size(cQ))::value;
-#pragma unroll
-      for (int i = 0; i < kQ; i += 2)
-        *reinterpret_cast<float2*>(&ss.d_q[int(get<0>(cQ(i))) * Tr::kDqStride + int(get<1>(cQ(i)))]) =
-            make_float2(tdQrdQ(i), tdQrdQ(i + 1));
-      cutlass::arch::fence_view_async_shared();
-      release(&ss.full_dq);
       phase_dq ^= 1;
     }
   }
@@ -450,35 +478,42 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
 }
 
 // d_q [b, i, h, :D] = scale * dq_accum of (b, h, row block of i), zero where no key block sees
-// that row block. One thread per 4 columns.
+// that row block. One CTA per (b, h, row block), its 256 threads laid out as the consumers:
+// thread t reads the values it wrote in the main kernel (coalesced float4s in register order)
+// and finds their (row, column) through the same MMA partition.
 template <typename Tr>
-__global__ void __launch_bounds__(256) bwd_sm90_dq_kernel(const __grid_constant__ BackwardParams bp, int num_m_blocks) {
+__global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const __grid_constant__ BackwardParams bp, int num_m_blocks) {
   using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
   const AttentionParams& p = bp.fwd;
-  const int chunks = int(p.head_dim / 4);
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t rows = p.batch * p.seqlen_q * p.num_heads;
-  if (idx >= rows * chunks) return;
-  const int c = int(idx % chunks) * 4;
-  const int64_t row = idx / chunks;  // (b, i, h)
-  const int h = int(row % p.num_heads);
-  const int64_t i = row / p.num_heads % p.seqlen_q;
-  const int b = int(row / p.num_heads / p.seqlen_q);
+  const int64_t unit = blockIdx.x;  // (b, h, m)
+  const int m = int(unit % num_m_blocks);
+  const int h = int(unit / num_m_blocks % p.num_heads);
+  const int b = int(unit / num_m_blocks / p.num_heads);
+  const int ct = threadIdx.x;
+  typename Tr::TiledMmadQ mma_dq;
+  Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  constexpr int kQ = decltype(size(cQ))::value;
   BwdBlock blk{};
   blk.n = int(clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k));
-  const int m = int(i / Tr::kBlockM);
-  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (blk.key_blocks_seen(p, m) > 0) {
-    const int64_t unit = (int64_t(b) * p.num_heads + h) * num_m_blocks + m;
-    v = __ldcs(reinterpret_cast<const float4*>(bp.dq_accum + (unit * Tr::kBlockM + i % Tr::kBlockM) * Tr::kHeadDim + c));
+  const bool seen = blk.key_blocks_seen(p, m) > 0;
+  const float* src = bp.dq_accum + unit * (kBlockM * kHeadDim) + (ct / 128) * Tr::kDqHalf + 4 * (ct % 128);
+  Element* d_q = static_cast<Element*>(bp.d_q) + b * p.q_batch_stride + h * p.q_head_stride;
+#pragma unroll
+  for (int i = 0; i < kQ; i += 4) {
+    const float4 v = seen ? __ldcs(reinterpret_cast<const float4*>(src + i * 128)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float vals[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j += 2) {  // values i + j and i + j + 1: adjacent columns of one row
+      const int64_t row = int64_t(m) * kBlockM + int(get<0>(cQ(i + j)));
+      const int c = int(get<1>(cQ(i + j)));
+      if (row >= p.seqlen_q || c >= p.head_dim) continue;
+      cutlass::Array<Element, 2> pair;
+      pair[0] = Element(vals[j] * p.scale);
+      pair[1] = Element(vals[j + 1] * p.scale);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(d_q + row * p.q_row_stride + c) = pair;
+    }
   }
-  cutlass::Array<Element, 4> out;
-  out[0] = Element(v.x * p.scale);
-  out[1] = Element(v.y * p.scale);
-  out[2] = Element(v.z * p.scale);
-  out[3] = Element(v.w * p.scale);
-  Element* d_q = static_cast<Element*>(bp.d_q) + b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride + c;
-  *reinterpret_cast<cutlass::Array<Element, 4>*>(d_q) = out;
 }
 
 template <typename Elem, int kHeadDim>
@@ -506,7 +541,8 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
                          make_tma_copy(SM90_TMA_LOAD{}, mdO, LQ{}, TileQ{}, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mK, LK{}, TileK{}, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mV, LK{}, TileK{}, _1{}),
-                         bp, int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM)};
+                         bp, int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
+                         int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN)};
   const size_t sems = size_t(p.batch * p.num_heads * kp.num_m_blocks) * sizeof(int);
   cudaError_t err = cudaMemsetAsync(bp.dq_semaphore, 0, sems, stream);
   if (err != cudaSuccess) return err;
@@ -514,12 +550,12 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
   constexpr size_t kSmem = sizeof(BwdSharedStorage<Tr>);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (err != cudaSuccess) return err;
-  const dim3 grid(unsigned((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN), unsigned(p.kv_num_heads), unsigned(p.batch));
+  const dim3 grid(unsigned(kp.num_n_blocks * p.batch * p.kv_num_heads));
   kernel<<<grid, Tr::kThreads, kSmem, stream>>>(kp);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const int64_t threads = p.batch * p.seqlen_q * p.num_heads * (p.head_dim / 4);
-  bwd_sm90_dq_kernel<Tr><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(bp, kp.num_m_blocks);
+  const int64_t units = p.batch * p.num_heads * kp.num_m_blocks;
+  bwd_sm90_dq_kernel<Tr><<<unsigned(units), Tr::kConsumerThreads, 0, stream>>>(bp, kp.num_m_blocks);
   return cudaGetLastError();
 }
 
