@@ -91,11 +91,11 @@ def reference(
     return (out, lse) if return_lse else out
 
 
-def _masked_attention(query, key, value, kv_valid, allowed, scale, softcap):
+def _masked_attention(query, key, value, kv_valid, allowed, scale, softcap, q_valid=None):
     """Dense softmax attention under a mask: query [B, Sq, H, D], key [B, Skv, Hkv, D], value
     [B, Skv, Hkv, Dv], kv_valid [B, Skv] (keys that may be read at all), allowed [B, 1, Sq, Skv]
-    (a subset of them per query row). Returns out [B, Sq, H, Dv] (query's dtype) and float32
-    lse [B, H, Sq]."""
+    (a subset of them per query row), q_valid [B, Sq] (query rows that may be read at all;
+    default every row). Returns out [B, Sq, H, Dv] (query's dtype) and float32 lse [B, H, Sq]."""
     heads, kv_heads = query.shape[2], key.shape[2]
     out_dtype = query.dtype
     compute = jnp.promote_types(jnp.float32, query.dtype)
@@ -104,6 +104,8 @@ def _masked_attention(query, key, value, kv_valid, allowed, scale, softcap):
     # where p == 0. The where also makes their gradients exactly zero.
     kv_valid = kv_valid[:, :, None, None]  # [B, Skv, 1, 1]
     q = query.astype(compute)
+    if q_valid is not None:
+        q = jnp.where(q_valid[:, :, None, None], q, 0)
     k = jnp.where(kv_valid, key.astype(compute), 0)
     v = jnp.where(kv_valid, value.astype(compute), 0)
 
@@ -205,7 +207,7 @@ def packed_reference(
     if is_causal:
         allowed = allowed & (pos_k[None, :] <= pos_q[:, None] + len_k[None, :] - len_q[:, None])
     out, lse = _masked_attention(query[None], key[None], value[None], (seq_k >= 0)[None],
-                                 allowed[None, None], scale, softcap)
+                                 allowed[None, None], scale, softcap, q_valid=(seq_q >= 0)[None])
     out, lse = out[0], lse[0]
     if rank2:
         out = out.reshape(out.shape[:1] + (-1,))
