@@ -38,7 +38,8 @@ _AXIS_NAMES = {
 }
 
 
-def check_static_dims(name: str, x, axis_names, first: int = 1, allowed: str = "the batch dimension B") -> None:
+def check_static_dims(name: str, x, axis_names, first: int = 1,
+                      allowed: str = "the batch dimension B") -> None:
     """Only the leading dimensions (before ``first``) may be symbolic (``jax.export`` with
     ``jax.export.symbolic_shape``): the kernels' tiling, the CUDA path choice and the
     backward's blocks need the other extents."""

@@ -125,7 +125,8 @@ _GRADS = ("b q (k g) d", "b s k d", "b s k e")  # d_query, d_key, d_value
 _sharding.register(
     attention_bwd_p,
     _sharding.ShardingRule(
-        operands=("b q (k g) d", "b s k d", "b s k e", "b", *_RESIDUALS),  # query, key, value, lengths
+        # query, key, value, lengths
+        operands=("b q (k g) d", "b s k d", "b s k e", "b", *_RESIDUALS),
         results=_GRADS,
         parallel=("b", "k"),
     ),

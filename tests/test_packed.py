@@ -65,7 +65,9 @@ def _packed_vjp(kw_key):
     kw = dict(kw_key)
 
     def pullback(q, k, v, cu_q, cu_k, ct_out, ct_lse):
-        f = lambda q, k, v: jax_varlen.packed_attention(q, k, v, cu_q, cu_k, return_lse=True, **kw)  # noqa: E731
+        def f(q, k, v):
+            return jax_varlen.packed_attention(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+
         return jax.vjp(f, q, k, v)[1]((ct_out, ct_lse))
 
     return jax.jit(pullback)
@@ -154,7 +156,9 @@ def _oracle_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, **kw):
     with jax.enable_x64(True):
         args = [jax.device_put(np.asarray(x, np.float64), cpu) for x in (q, k, v, ct_out)]
         cus = [jax.device_put(np.asarray(c), cpu) for c in (cu_q, cu_k)]
-        f = lambda q, k, v: jax_varlen.packed_reference(q, k, v, *cus, return_lse=True, **kw)  # noqa: E731
+        def f(q, k, v):
+            return jax_varlen.packed_reference(q, k, v, *cus, return_lse=True, **kw)
+
         grads = jax.vjp(f, *args[:3])[1]((args[3], jax.device_put(np.asarray(ct_lse), cpu)))
         return [np.asarray(g, np.float64) for g in grads]
 
@@ -377,6 +381,19 @@ def test_export_round_trip(backend):
     got = jax.export.deserialize(blob).call(q, k, v, cu_q, cu_k)
     want = jax.jit(fn)(q, k, v, cu_q, cu_k)
     assert all(bits(a) == bits(b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def test_export_with_a_symbolic_number_of_sequences(backend):
+    """The offsets' length may be symbolic: one export serves every number of sequences."""
+    q, k, v, cu_q, cu_k = make_packed([3, 0, 9], [4, 2, 5])
+    b, = jax.export.symbolic_shape("b")
+    offsets = jax.ShapeDtypeStruct((b,), jnp.int32)
+    fn = jax.jit(functools.partial(jax_varlen.packed_attention, is_causal=True))
+    exported = jax.export.export(fn, platforms=(EXPORT_PLATFORM[backend],),
+                                 disabled_checks=jax_varlen.export_disabled_checks())(
+        q, k, v, offsets, offsets)
+    for cq, ck in ((cu_q, cu_k), (cu_q[::3], cu_k[::3])):
+        assert bits(exported.call(q, k, v, cq, ck)) == bits(fn(q, k, v, cq, ck))
 
 
 def test_export_knows_the_packed_targets():
