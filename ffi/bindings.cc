@@ -9,9 +9,13 @@ namespace nb = nanobind;
 
 extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_cpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_packed_attention_bwd_cpu(XLA_FFI_CallFrame*);
 #ifdef JAX_VARLEN_WITH_CUDA
 extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_cuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_packed_attention_bwd_cuda(XLA_FFI_CallFrame*);
 #endif
 
 namespace {
@@ -24,16 +28,21 @@ nb::capsule capsule(Fn* fn) {
 }  // namespace
 
 NB_MODULE(_jax_varlen, m) {
-  // {"cpu": {target: capsule}, "cuda": {target: capsule}}; "cuda" only in a CUDA build.
+  // {"cpu": {target: capsule}, "cuda": {target: capsule}}; "cuda" only in a CUDA build. Per
+  // platform: the padded and the packed forward and backward.
   m.def("registrations", []() {
     nb::dict platforms, cpu;
     cpu["jax_varlen_attention_fwd_cpu"] = capsule(jax_varlen_attention_fwd_cpu);
     cpu["jax_varlen_attention_bwd_cpu"] = capsule(jax_varlen_attention_bwd_cpu);
+    cpu["jax_varlen_packed_attention_fwd_cpu"] = capsule(jax_varlen_packed_attention_fwd_cpu);
+    cpu["jax_varlen_packed_attention_bwd_cpu"] = capsule(jax_varlen_packed_attention_bwd_cpu);
     platforms["cpu"] = cpu;
 #ifdef JAX_VARLEN_WITH_CUDA
     nb::dict cuda;
     cuda["jax_varlen_attention_fwd_cuda"] = capsule(jax_varlen_attention_fwd_cuda);
     cuda["jax_varlen_attention_bwd_cuda"] = capsule(jax_varlen_attention_bwd_cuda);
+    cuda["jax_varlen_packed_attention_fwd_cuda"] = capsule(jax_varlen_packed_attention_fwd_cuda);
+    cuda["jax_varlen_packed_attention_bwd_cuda"] = capsule(jax_varlen_packed_attention_bwd_cuda);
     platforms["cuda"] = cuda;
 #endif
     return platforms;

@@ -29,22 +29,25 @@ inline ffi::ErrorOr<DType> to_dtype(ffi::DataType t) {
   }
 }
 
-// query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv], nonpad_kv_seqlen [B],
-// out [B, Sq, H, Dv], lse [B, H, Sq].
-inline ffi::ErrorOr<AttentionParams> make_params(
-    ffi::AnyBuffer query, ffi::AnyBuffer key, ffi::AnyBuffer value,
-    ffi::Buffer<ffi::S32> nonpad_kv_seqlen, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse,
-    float scale, bool is_causal, float softcap) {
-  auto bad = [](std::string what) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument("jax_varlen: " + what));
-  };
+inline ffi::Unexpected<ffi::Error> bad_argument(const std::string& what) {
+  return ffi::Unexpected(ffi::Error::InvalidArgument("jax_varlen: " + what));
+}
+
+// What both layouts share: query [N, Sq, H, D], key [N, Skv, Hkv, D], value [N, Skv, Hkv, Dv],
+// out [N, Sq, H, Dv] (dense, last dim contiguous), lse [N, H, Sq], the attributes, and every
+// check between them. N is the batch (padded) or the packs (packed, with Sq = Tq and Skv = Tk);
+// make_params and make_packed_params then say how N splits into sequences.
+inline ffi::ErrorOr<AttentionParams> make_dense_params(ffi::AnyBuffer query, ffi::AnyBuffer key,
+                                                       ffi::AnyBuffer value, ffi::AnyBuffer out,
+                                                       ffi::Buffer<ffi::F32> lse, float scale,
+                                                       bool is_causal, float softcap) {
   const auto qd = query.dimensions(), kd = key.dimensions(), vd = value.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
-    return bad("query, key and value must have rank 4, got " + dims_string(qd) + ", " +
-               dims_string(kd) + ", " + dims_string(vd));
+    return bad_argument("query, key and value must have rank 4, got " + dims_string(qd) + ", " +
+                        dims_string(kd) + ", " + dims_string(vd));
   if (key.element_type() != query.element_type() || value.element_type() != query.element_type() ||
       out.element_type() != query.element_type())
-    return bad("query, key, value and out must share one dtype");
+    return bad_argument("query, key, value and out must share one dtype");
   auto dtype = to_dtype(query.element_type());
   if (!dtype) return ffi::Unexpected(dtype.error());
 
@@ -52,67 +55,118 @@ inline ffi::ErrorOr<AttentionParams> make_params(
   p.q = query.untyped_data();
   p.k = key.untyped_data();
   p.v = value.untyped_data();
-  p.nonpad_kv_seqlen = nonpad_kv_seqlen.typed_data();
   p.out = out.untyped_data();
   p.lse = lse.typed_data();
   p.dtype = *dtype;
-  p.batch = qd[0];
-  p.seqlen_q = qd[1];
+  p.num_packs = qd[0];
+  p.pack_rows_q = qd[1];
   p.num_heads = qd[2];
   p.head_dim = qd[3];
-  p.seqlen_k = kd[1];
+  p.pack_rows_k = kd[1];
   p.kv_num_heads = kd[2];
   p.head_dim_v = vd[3];
-  // Dense row-major layouts (the last dim contiguous); cu_seqlens stay null (padded batch).
+  // Dense row-major layouts (the last dim contiguous).
   p.q_head_stride = p.head_dim;
   p.q_row_stride = p.num_heads * p.q_head_stride;
-  p.q_batch_stride = p.seqlen_q * p.q_row_stride;
+  p.q_batch_stride = p.pack_rows_q * p.q_row_stride;
   p.k_head_stride = p.head_dim;
   p.k_row_stride = p.kv_num_heads * p.k_head_stride;
-  p.k_batch_stride = p.seqlen_k * p.k_row_stride;
+  p.k_batch_stride = p.pack_rows_k * p.k_row_stride;
   p.v_head_stride = p.head_dim_v;
   p.v_row_stride = p.kv_num_heads * p.v_head_stride;
-  p.v_batch_stride = p.seqlen_k * p.v_row_stride;
+  p.v_batch_stride = p.pack_rows_k * p.v_row_stride;
   p.out_head_stride = p.head_dim_v;
   p.out_row_stride = p.num_heads * p.out_head_stride;
-  p.out_batch_stride = p.seqlen_q * p.out_row_stride;
+  p.out_batch_stride = p.pack_rows_q * p.out_row_stride;
   p.scale = scale;
   p.softcap = softcap;
   p.is_causal = is_causal;
 
-  if (kd[0] != p.batch || vd[0] != p.batch || nonpad_kv_seqlen.element_count() != size_t(p.batch))
-    return bad("batch extents differ: query " + dims_string(qd) + ", key " + dims_string(kd) +
-               ", value " + dims_string(vd) + ", nonpad_kv_seqlen " +
-               dims_string(nonpad_kv_seqlen.dimensions()));
-  if (vd[1] != p.seqlen_k || vd[2] != p.kv_num_heads)
-    return bad("key " + dims_string(kd) + " and value " + dims_string(vd) + " disagree");
+  if (kd[0] != p.num_packs || vd[0] != p.num_packs)
+    return bad_argument("leading extents differ: query " + dims_string(qd) + ", key " +
+                        dims_string(kd) + ", value " + dims_string(vd));
+  if (vd[1] != p.pack_rows_k || vd[2] != p.kv_num_heads)
+    return bad_argument("key " + dims_string(kd) + " and value " + dims_string(vd) + " disagree");
   if (kd[3] != p.head_dim)
-    return bad("key head size " + std::to_string(kd[3]) + " != query head size " +
-               std::to_string(p.head_dim));
+    return bad_argument("key head size " + std::to_string(kd[3]) + " != query head size " +
+                        std::to_string(p.head_dim));
   if (p.kv_num_heads <= 0 || p.num_heads % p.kv_num_heads != 0)
-    return bad("kv_num_heads " + std::to_string(p.kv_num_heads) + " must divide num_heads " +
-               std::to_string(p.num_heads));
+    return bad_argument("kv_num_heads " + std::to_string(p.kv_num_heads) +
+                        " must divide num_heads " + std::to_string(p.num_heads));
   const auto od = out.dimensions(), ld = lse.dimensions();
-  if (od.size() != 4 || od[0] != p.batch || od[1] != p.seqlen_q || od[2] != p.num_heads ||
+  if (od.size() != 4 || od[0] != p.num_packs || od[1] != p.pack_rows_q || od[2] != p.num_heads ||
       od[3] != p.head_dim_v)
-    return bad("out has shape " + dims_string(od));
-  if (ld.size() != 3 || ld[0] != p.batch || ld[1] != p.num_heads || ld[2] != p.seqlen_q)
-    return bad("lse has shape " + dims_string(ld));
-  if (!(softcap >= 0.0f)) return bad("softcap must be >= 0");
+    return bad_argument("out has shape " + dims_string(od));
+  if (ld.size() != 3 || ld[0] != p.num_packs || ld[1] != p.num_heads || ld[2] != p.pack_rows_q)
+    return bad_argument("lse has shape " + dims_string(ld));
+  if (!(softcap >= 0.0f)) return bad_argument("softcap must be >= 0");
   return p;
 }
 
-// The backward's buffers (ffi/params.h, BackwardParams): the forward's residuals query, key,
-// value, nonpad_kv_seqlen, out, lse; the cotangents d_out (out's shape and dtype) and d_lse
+// The padded batch: query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv],
+// nonpad_kv_seqlen [B], out [B, Sq, H, Dv], lse [B, H, Sq]. Every sequence is a pack of its own
+// (params.h); cu_seqlens stay null.
+inline ffi::ErrorOr<AttentionParams> make_params(
+    ffi::AnyBuffer query, ffi::AnyBuffer key, ffi::AnyBuffer value,
+    ffi::Buffer<ffi::S32> nonpad_kv_seqlen, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse,
+    float scale, bool is_causal, float softcap) {
+  auto params = make_dense_params(query, key, value, out, lse, scale, is_causal, softcap);
+  if (!params) return params;
+  AttentionParams& p = *params;
+  p.nonpad_kv_seqlen = nonpad_kv_seqlen.typed_data();
+  p.batch = p.num_packs;
+  p.pack_seqs = 1;
+  p.seqlen_q = p.pack_rows_q;
+  p.seqlen_k = p.pack_rows_k;
+  if (nonpad_kv_seqlen.element_count() != size_t(p.batch))
+    return bad_argument("nonpad_kv_seqlen has shape " + dims_string(nonpad_kv_seqlen.dimensions()) +
+                        ", expected [" + std::to_string(p.batch) + "] (the batch of query " +
+                        dims_string(query.dimensions()) + ")");
+  return p;
+}
+
+// The packed layout: query [N, Tq, H, D], key [N, Tk, Hkv, D], value [N, Tk, Hkv, Dv],
+// cu_seqlens_q and cu_seqlens_k [N, B + 1], out [N, Tq, H, Dv], lse [N, H, Tq]: N packs
+// (1, or the vmapped extent) of B sequences each (params.h). max_seqlen_q/k (in [0, Tq] and
+// [0, Tk]) bound the sequences' lengths and size the grids; longer ones are clamped (SeqlenInfo).
+inline ffi::ErrorOr<AttentionParams> make_packed_params(
+    ffi::AnyBuffer query, ffi::AnyBuffer key, ffi::AnyBuffer value,
+    ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> cu_seqlens_k, ffi::AnyBuffer out,
+    ffi::Buffer<ffi::F32> lse, float scale, bool is_causal, float softcap, int64_t max_seqlen_q,
+    int64_t max_seqlen_k) {
+  auto params = make_dense_params(query, key, value, out, lse, scale, is_causal, softcap);
+  if (!params) return params;
+  AttentionParams& p = *params;
+  const auto cq = cu_seqlens_q.dimensions(), ck = cu_seqlens_k.dimensions();
+  if (cq.size() != 2 || cq[0] != p.num_packs || cq[1] < 1 || ck.size() != 2 || ck[0] != cq[0] ||
+      ck[1] != cq[1])
+    return bad_argument("cu_seqlens_q " + dims_string(cq) + " and cu_seqlens_k " + dims_string(ck) +
+                        " must both be [N, B + 1] with N = " + std::to_string(p.num_packs) +
+                        " (the packs of query " + dims_string(query.dimensions()) + ")");
+  if (max_seqlen_q < 0 || max_seqlen_q > p.pack_rows_q || max_seqlen_k < 0 ||
+      max_seqlen_k > p.pack_rows_k)
+    return bad_argument("max_seqlen_q " + std::to_string(max_seqlen_q) + " and max_seqlen_k " +
+                        std::to_string(max_seqlen_k) + " must lie in [0, Tq = " +
+                        std::to_string(p.pack_rows_q) + "] and [0, Tk = " +
+                        std::to_string(p.pack_rows_k) + "]");
+  p.cu_seqlens_q = cu_seqlens_q.typed_data();
+  p.cu_seqlens_k = cu_seqlens_k.typed_data();
+  p.pack_seqs = cq[1] - 1;
+  p.batch = p.num_packs * p.pack_seqs;
+  p.seqlen_q = max_seqlen_q;
+  p.seqlen_k = max_seqlen_k;
+  return p;
+}
+
+// The backward's buffers (ffi/params.h, BackwardParams), for the forward's params `fwd` (either
+// layout): the residuals out and lse; the cotangents d_out (out's shape and dtype) and d_lse
 // (lse's shape); the gradients d_query, d_key, d_value (their inputs' shapes and dtype) and the
 // delta workspace (lse's shape).
 inline ffi::ErrorOr<BackwardParams> make_bwd_params(
-    ffi::AnyBuffer query, ffi::AnyBuffer key, ffi::AnyBuffer value,
-    ffi::Buffer<ffi::S32> nonpad_kv_seqlen, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse,
-    ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> d_lse, ffi::AnyBuffer d_query,
-    ffi::AnyBuffer d_key, ffi::AnyBuffer d_value, ffi::Buffer<ffi::F32> delta, float scale,
-    bool is_causal, float softcap) {
-  auto fwd = make_params(query, key, value, nonpad_kv_seqlen, out, lse, scale, is_causal, softcap);
+    ffi::ErrorOr<AttentionParams> fwd, ffi::AnyBuffer query, ffi::AnyBuffer key,
+    ffi::AnyBuffer value, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out,
+    ffi::Buffer<ffi::F32> d_lse, ffi::AnyBuffer d_query, ffi::AnyBuffer d_key,
+    ffi::AnyBuffer d_value, ffi::Buffer<ffi::F32> delta) {
   if (!fwd) return ffi::Unexpected(fwd.error());
   auto same_dims = [](ffi::AnyBuffer::Dimensions ad, ffi::AnyBuffer::Dimensions bd) {
     if (ad.size() != bd.size()) return false;

@@ -14,35 +14,54 @@ enum class DType : int { kF32, kF16, kBF16 };
 
 struct AttentionParams {
   // Inputs. The last dim is contiguous; the others are given by the element strides below.
+  // Shapes of the padded batch; the packed layout's are [num_packs, pack_rows_q or pack_rows_k,
+  // heads, dim] (below).
   const void* q;                    // [batch, seqlen_q, num_heads, head_dim]
   const void* k;                    // [batch, seqlen_k, kv_num_heads, head_dim]
   const void* v;                    // [batch, seqlen_k, kv_num_heads, head_dim_v]
   const int32_t* nonpad_kv_seqlen;  // [batch]; kernels clamp each n_b into [0, seqlen_k]
+                                    // (nullptr in the packed layout: every key is valid)
   // Outputs:
   void* out;   // [batch, seqlen_q, num_heads, head_dim_v], dtype of q
-  float* lse;  // [batch, num_heads, seqlen_q], natural log; -inf where no key is allowed
+  float* lse;  // [batch, num_heads, seqlen_q] (packed: [num_packs, num_heads, pack_rows_q]),
+               // natural log; -inf where no key is allowed
 
   // Element strides of (batch, row, head). Kernels that walk rows address row r of sequence b
   // as (SeqlenInfo::q_offset + r) * row_stride, so the tensors are read as stacks of rows
-  // ([batch * seqlen, heads, dim]); the batch stride is for consumers that need the 4-D view
-  // (TMA descriptors). make_params fills the dense layout: batch = seqlen * row, row = heads *
-  // head, head = dim. A packed front door sets batch strides to 0 (one stack of rows).
+  // ([batch * seqlen, heads, dim], packed: [num_packs * pack_rows, heads, dim]); the batch
+  // stride (of a sequence, packed: of a pack) is for consumers that need the 4-D view (TMA
+  // descriptors). make_params fills the dense layout: batch = seqlen * row, row = heads * head,
+  // head = dim.
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   int64_t k_batch_stride, k_row_stride, k_head_stride;
   int64_t v_batch_stride, v_row_stride, v_head_stride;
   int64_t out_batch_stride, out_row_stride, out_head_stride;
 
-  // Packed layout: [batch + 1] cumulative row offsets, starting at 0; sequence b owns query rows
-  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]).
-  // nullptr (today): sequence b owns rows [b * seqlen_q, (b + 1) * seqlen_q) and
-  // [b * seqlen_k, (b + 1) * seqlen_k). See SeqlenInfo.
+  // Packed layout (make_packed_params; nullptr for the padded batch): cumulative row offsets
+  // [num_packs, pack_seqs + 1], each row starting at 0. Sequence s of pack e owns query rows
+  // [cu_seqlens_q[e, s], cu_seqlens_q[e, s + 1]) and key rows [cu_seqlens_k[e, s],
+  // cu_seqlens_k[e, s + 1]) of that pack. See SeqlenInfo.
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
 
+  // Packs: the tensors are num_packs blocks of pack_rows_q query rows (q, out) and pack_rows_k
+  // key rows (k, v), one after another, and pack e holds sequences [e * pack_seqs,
+  // (e + 1) * pack_seqs) of the batch. Padded batch: every sequence is a pack of its own
+  // (num_packs = batch, pack_seqs = 1, pack_rows = seqlen_q / seqlen_k). Packed: one pack of
+  // Tq / Tk rows holding B sequences, or several under vmap (one pack per vmapped element, still
+  // one launch). lse is [num_packs, num_heads, pack_rows_q] in both layouts.
+  // Worked example, a vmap of 2 over a pack of Tq = 8 rows, cu_seqlens_q = [[0, 3, 5], [0, 6, 6]]:
+  // batch = 4 sequences, owning query rows [0, 3), [3, 5), [8, 14) and [14, 14) of the 16; rows
+  // 5-7 and 14-15 belong to no sequence (the handlers zero them, lse = -inf).
+  int64_t num_packs;
+  int64_t pack_seqs;
+  int64_t pack_rows_q;
+  int64_t pack_rows_k;
+
   DType dtype;
-  int64_t batch;
-  int64_t seqlen_q;  // Sq: padded query extent (packed: the longest sequence's query rows)
-  int64_t seqlen_k;  // Skv: padded key extent
+  int64_t batch;     // sequences (packed: in all packs), the grids' sequence extent
+  int64_t seqlen_q;  // Sq: padded query extent (packed: max_seqlen_q, the grids' row extent)
+  int64_t seqlen_k;  // Skv: padded key extent (packed: max_seqlen_k)
   int64_t num_heads;
   int64_t kv_num_heads;  // divides num_heads; query head h reads kv head h / (num_heads / kv_num_heads)
   int64_t head_dim;      // D of q and k
@@ -60,7 +79,8 @@ struct AttentionParams {
 
   float scale;    // multiplies <q, k>
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)
-  bool is_causal;  // tail-aligned: key j allowed for query i iff j <= i + n - seqlen_q
+  bool is_causal;  // tail-aligned: key j allowed for query i iff j <= i + n - len_q (len_q: the
+                   // sequence's query rows, seqlen_q in the padded batch)
 };
 
 // The backward of one forward problem: the forward's inputs, out and lse (the residuals), the
@@ -72,7 +92,8 @@ struct AttentionParams {
 //   d_q_i = scale * sum_j dS_ij k_j
 //   d_k_j = scale * sum_i dS_ij q_i,   d_v_j = sum_i P_ij d_out_i
 // d_k and d_v sum over the query heads of the kv head's group. Keys at or past n_b get exactly
-// zero gradient and are never read; rows with no allowed key contribute nothing.
+// zero gradient and are never read; rows with no allowed key contribute nothing. Packed: rows
+// that no sequence owns get zero gradients (the handlers write them before the kernels run).
 struct BackwardParams {
   AttentionParams fwd;  // q, k, v, nonpad_kv_seqlen, out, lse, sizes, strides, scale, mask
   const void* d_out;    // [batch, seqlen_q, num_heads, head_dim_v], out's strides and dtype

@@ -1,7 +1,9 @@
 """jax_varlen: variable-length attention for JAX that spends no compute on padding.
 
-Public API: :func:`attention` (padded batch + ``nonpad_kv_seqlen``) and :func:`reference`
-(the pure-JAX oracle of the same contract).
+Public API: :func:`attention` (padded batch + ``nonpad_kv_seqlen``), :func:`packed_attention`
+(sequences packed back to back + ``cu_seqlens``, the same math on the same kernels),
+:func:`reference` (the pure-JAX oracle of the contract) and :func:`packed_reference` (the
+oracle of the packed layout).
 
 Multiple devices (docs/multi_device.md): :func:`merge_attention` and
 :func:`sequence_parallel_attention` (KV cache split along its sequence axis);
@@ -12,8 +14,9 @@ from jax_varlen import _ffi
 from jax_varlen._api import attention
 from jax_varlen._export import export_disabled_checks, register_ffi_targets
 from jax_varlen._merge import merge_attention
+from jax_varlen._packed_api import packed_attention
 from jax_varlen._seqpar import sequence_parallel_attention
-from jax_varlen.reference import reference
+from jax_varlen.reference import packed_reference, reference
 
 __version__ = "0.1.0"
 
@@ -27,7 +30,9 @@ except ImportError:
 
 __all__ = [
     "attention",
+    "packed_attention",
     "reference",
+    "packed_reference",
     "merge_attention",
     "sequence_parallel_attention",
     "export_disabled_checks",

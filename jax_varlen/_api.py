@@ -15,16 +15,16 @@ _FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 _LENGTH_DTYPES = (jnp.int32, jnp.int64)
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def _check_array(name: str, x) -> None:
+def check_array(name: str, x) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
 
 
-def _canonical(x):
+def canonical(x):
     """NumPy inputs get JAX's dtype canonicalization, as ``jnp.asarray`` (and ``jax.nn``) give
     them: float64 becomes float32 unless x64 is enabled. JAX arrays and tracers pass as they
     are (their dtype is already canonical)."""
@@ -38,27 +38,29 @@ _AXIS_NAMES = {
 }
 
 
-def _check_static_dims(name: str, x) -> None:
-    """Only the batch may be symbolic (``jax.export`` with ``jax.export.symbolic_shape``): the
-    kernels' tiling, the CUDA path choice and the backward's blocks need the other extents."""
-    for axis, (dim, axis_name) in enumerate(zip(x.shape, _AXIS_NAMES[name, x.ndim])):
-        if axis > 0 and jax.export.is_symbolic_dim(dim):
+def check_static_dims(name: str, x, axis_names, first: int = 1,
+                      allowed: str = "the batch dimension B") -> None:
+    """Only the leading dimensions (before ``first``) may be symbolic (``jax.export`` with
+    ``jax.export.symbolic_shape``): the kernels' tiling, the CUDA path choice and the
+    backward's blocks need the other extents."""
+    for axis, (dim, axis_name) in enumerate(zip(x.shape, axis_names)):
+        if axis >= first and jax.export.is_symbolic_dim(dim):
             raise ValueError(
                 f"{name}'s dimension {axis} ({axis_name}) is symbolic ({dim}) in shape "
-                f"{tuple(x.shape)}: jax_varlen supports a symbolic (shape-polymorphic) batch "
-                f"dimension B only; export with a concrete {axis_name} (one export per size)"
+                f"{tuple(x.shape)}: jax_varlen supports a symbolic (shape-polymorphic) "
+                f"{allowed} only; export with a concrete {axis_name} (one export per size)"
             )
 
 
 def check_flag(name: str, value) -> bool:
     """A static boolean attribute (is_causal, return_lse)."""
-    _check_static(name, value)
+    check_static(name, value)
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(value)
 
 
-def _check_static(name: str, value) -> None:
+def check_static(name: str, value) -> None:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"{name} must be a static Python value, got a traced one ({value!r}): it selects "
@@ -71,28 +73,28 @@ def _check_static(name: str, value) -> None:
 def _heads(name: str, value, given) -> int:
     if value is None:
         return given
-    _check_static(name, value)
+    check_static(name, value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
-def _split_heads(name: str, x, heads: int, heads_name: str):
-    """[B, S, heads * d] -> [B, S, heads, d]."""
+def split_heads(name: str, x, heads: int, heads_name: str):
+    """[..., heads * d] -> [..., heads, d] (padded [B, S, ...], packed [T, ...])."""
     if x.shape[-1] % heads:
         raise ValueError(
             f"{name}'s last dimension ({x.shape[-1]}) must be a multiple of {heads_name} "
             f"({heads}); {name} has shape {tuple(x.shape)}"
         )
-    return x.reshape(x.shape[:2] + (heads, x.shape[-1] // heads))
+    return x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
 
 
 def normalize_heads(query, key, value, num_heads, kv_num_heads):
     """Checks ranks and head counts; returns rank-4 query, key, value (NumPy inputs
     canonicalized like JAX's)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
-        _check_array(name, x)
-    query, key, value = map(_canonical, (query, key, value))
+        check_array(name, x)
+    query, key, value = map(canonical, (query, key, value))
     if query.ndim not in (3, 4):
         raise ValueError(
             f"query must have rank 3 [B, Sq, H*D] or 4 [B, Sq, H, D], got shape {tuple(query.shape)}"
@@ -103,21 +105,28 @@ def normalize_heads(query, key, value, num_heads, kv_num_heads):
                 f"{name} must have the rank of query ({query.ndim}), got shape {tuple(x.shape)}"
             )
     for name, x in (("query", query), ("key", key), ("value", value)):
-        _check_static_dims(name, x)
-    if query.ndim == 3:
+        check_static_dims(name, x, _AXIS_NAMES[name, x.ndim])
+    return split_or_check_heads(query, key, value, num_heads, kv_num_heads, query.ndim == 3,
+                                "rank-3 inputs [B, S, H*D]")
+
+
+def split_or_check_heads(query, key, value, num_heads, kv_num_heads, merged: bool, merged_name):
+    """Merged heads (``[..., H*D]``): split with ``num_heads`` (required) and ``kv_num_heads``;
+    split heads (``[..., H, D]``): the counts, when given, must match."""
+    if merged:
         if num_heads is None:
-            raise ValueError("num_heads is required for rank-3 inputs [B, S, H*D]; got None")
+            raise ValueError(f"num_heads is required for {merged_name}; got None")
         num_heads = _heads("num_heads", num_heads, None)
         kv_num_heads = _heads("kv_num_heads", kv_num_heads, num_heads)
-        query = _split_heads("query", query, num_heads, "num_heads")
-        key = _split_heads("key", key, kv_num_heads, "kv_num_heads")
-        value = _split_heads("value", value, kv_num_heads, "kv_num_heads")
+        query = split_heads("query", query, num_heads, "num_heads")
+        key = split_heads("key", key, kv_num_heads, "kv_num_heads")
+        value = split_heads("value", value, kv_num_heads, "kv_num_heads")
     else:
         for name, given, x, axis_name in (
             ("num_heads", num_heads, query, "query"),
             ("kv_num_heads", kv_num_heads, key, "key"),
         ):
-            if given is not None and _heads(name, given, None) != x.shape[2]:
+            if given is not None and _heads(name, given, None) != x.shape[-2]:
                 raise ValueError(
                     f"{name}={given} does not match {axis_name}'s head axis: "
                     f"{axis_name} has shape {tuple(x.shape)}"
@@ -126,41 +135,44 @@ def normalize_heads(query, key, value, num_heads, kv_num_heads):
 
 
 def check_shapes(query, key, value) -> None:
-    """query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv]."""
-    B, _, H, D = query.shape
+    """query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv]; or packed (rank 3)
+    query [Tq, H, D], key [Tk, Hkv, D], value [Tk, Hkv, Dv]."""
+    H, D = query.shape[-2:]
     if query.dtype not in _FLOAT_DTYPES:
         raise TypeError(
-            f"query must be float32, float16 or bfloat16, got {_dtype_name(query.dtype)}"
+            f"query must be float32, float16 or bfloat16, got {dtype_name(query.dtype)}"
         )
     for name, x in (("key", key), ("value", value)):
         if x.dtype != query.dtype:
             raise TypeError(
-                f"{name} must have query's dtype ({_dtype_name(query.dtype)}), "
-                f"got {_dtype_name(x.dtype)}"
+                f"{name} must have query's dtype ({dtype_name(query.dtype)}), "
+                f"got {dtype_name(x.dtype)}"
             )
-        if x.shape[0] != B:
+        if query.ndim == 4 and x.shape[0] != query.shape[0]:
             raise ValueError(
-                f"{name}'s batch extent must equal query's ({B}), got shape {tuple(x.shape)}"
+                f"{name}'s batch extent must equal query's ({query.shape[0]}), got shape "
+                f"{tuple(x.shape)}"
             )
-    Hkv = key.shape[2]
-    if value.shape[1] != key.shape[1]:
+    Hkv = key.shape[-2]
+    if value.shape[-3] != key.shape[-3]:
+        extent = "sequence extent" if query.ndim == 4 else "token count"
         raise ValueError(
-            f"value's sequence extent must equal key's ({key.shape[1]}), got value shape "
+            f"value's {extent} must equal key's ({key.shape[-3]}), got value shape "
             f"{tuple(value.shape)}"
         )
-    if value.shape[2] != Hkv:
+    if value.shape[-2] != Hkv:
         raise ValueError(
             f"value's head count must equal key's ({Hkv}), got value shape {tuple(value.shape)}"
         )
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"kv_num_heads ({Hkv}) must divide num_heads ({H})")
-    if key.shape[3] != D:
+    if key.shape[-1] != D:
         raise ValueError(
             f"key's head size must equal query's ({D}), got key shape {tuple(key.shape)}"
         )
     if D == 0:
         raise ValueError(f"head size must be at least 1, got query shape {tuple(query.shape)}")
-    if value.shape[3] == 0:
+    if value.shape[-1] == 0:
         raise ValueError(
             f"value's head size must be at least 1, got value shape {tuple(value.shape)}"
         )
@@ -168,10 +180,10 @@ def check_shapes(query, key, value) -> None:
 
 def check_lengths(nonpad_kv_seqlen, batch: int, seqlen_k: int):
     """Checks [B] int32/int64 lengths; returns them as int32."""
-    _check_array("nonpad_kv_seqlen", nonpad_kv_seqlen)
+    check_array("nonpad_kv_seqlen", nonpad_kv_seqlen)
     if nonpad_kv_seqlen.dtype not in _LENGTH_DTYPES:
         raise TypeError(
-            f"nonpad_kv_seqlen must be int32 or int64, got {_dtype_name(nonpad_kv_seqlen.dtype)}"
+            f"nonpad_kv_seqlen must be int32 or int64, got {dtype_name(nonpad_kv_seqlen.dtype)}"
         )
     if nonpad_kv_seqlen.shape != (batch,):
         raise ValueError(
@@ -194,7 +206,7 @@ def check_lengths(nonpad_kv_seqlen, batch: int, seqlen_k: int):
 
 def make_config(head_dim: int, scale, is_causal, softcap) -> AttentionConfig:
     for name, value in (("scale", scale), ("softcap", softcap)):
-        _check_static(name, value)
+        check_static(name, value)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):

@@ -1,22 +1,26 @@
-"""The backward attention primitive: abstract evaluation, batching and per-platform lowering.
+"""The backward attention primitives, padded and packed: abstract evaluation, batching and
+per-platform lowering, with the forward's shared rules (``_primitive.py``).
 
-Operands (rank 4, as the forward's; ``_autodiff`` binds it as the transpose of the forward's
+Operands (rank 4, as the forward's; ``_autodiff`` binds them as the transpose of the forward's
 tangent map):
-  query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv] (one dtype),
-  nonpad_kv_seqlen int32 [B], out [B, Sq, H, Dv] (query's dtype), lse float32 [B, H, Sq]
-  (the forward's results), d_out (out's shape and dtype), d_lse float32 [B, H, Sq] (their
-  cotangents)
+  query [N, Sq, H, D], key [N, Skv, Hkv, D], value [N, Skv, Hkv, Dv] (one dtype), the lengths
+  (``attention_bwd_p``: nonpad_kv_seqlen int32 [B], N = B; ``packed_attention_bwd_p``:
+  cu_seqlens_q and cu_seqlens_k int32 [N, B + 1], Sq = Tq, Skv = Tk), out [N, Sq, H, Dv]
+  (query's dtype), lse float32 [N, H, Sq] (the forward's results), d_out (out's shape and
+  dtype), d_lse float32 [N, H, Sq] (their cotangents)
 Results:
   d_query, d_key, d_value (the shapes and dtype of query, key, value)
 Static parameter: ``config``, the forward's :class:`AttentionConfig`.
 
 The FFI call is the same on every platform (targets ``_ffi.BWD_CPU_TARGET`` and
-``_ffi.BWD_CUDA_TARGET``): the eight operands in this order; results d_query, d_key, d_value
-and ``delta`` (float32 [B, H, Sq], a workspace that the lowering adds and drops), and on CUDA
-the Hopper kernel's dQ workspace (float32, :func:`dq_workspace_shape`); attributes
-``scale`` (f32), ``is_causal`` (bool), ``softcap`` (f32). The math is in ffi/params.h
-(``BackwardParams``): keys at or past ``n_b`` get exactly zero gradient and are never read,
-rows with no allowed key contribute nothing, lengths are clamped into ``[0, Skv]``.
+``_ffi.BWD_CUDA_TARGET``, packed: ``_ffi.PACKED_BWD_*``): the operands in this order; results
+d_query, d_key, d_value and ``delta`` (float32, lse's shape, a workspace that the lowering adds
+and drops), and on CUDA the Hopper kernel's dQ workspace (float32, :func:`dq_workspace_shape`;
+empty for the packed layout, which the Hopper backward does not take); attributes ``scale``
+(f32), ``is_causal`` (bool), ``softcap`` (f32), packed: ``max_seqlen_q``, ``max_seqlen_k``
+(i64). The math is in ffi/params.h (``BackwardParams``): keys at or past ``n_b`` get exactly
+zero gradient and are never read, rows with no allowed key contribute nothing, lengths are
+clamped into ``[0, Skv]``; packed rows that no sequence owns get zero gradients.
 """
 
 from __future__ import annotations
@@ -32,34 +36,34 @@ from jax_varlen._primitive import (
     BWD_BLOCK_M,
     BWD_SM90_MAX_HEAD_DIM,
     HEAD_DIM_BUCKETS,
+    batch_rule,
     ffi_attrs,
-    fold_vmapped_axis,
+    jit_impl,
+    lower_cpu,
     require_cuda_kernels,
-    unfold_vmapped_axis,
 )
 
 attention_bwd_p = Primitive("jax_varlen_attention_bwd")
 attention_bwd_p.multiple_results = True
+packed_attention_bwd_p = Primitive("jax_varlen_packed_attention_bwd")
+packed_attention_bwd_p.multiple_results = True
 
 
 def attention_bwd(query, key, value, nonpad_kv_seqlen, out, lse, d_out, d_lse,
                   config: AttentionConfig):
-    """Binds the primitive; returns ``(d_query, d_key, d_value)``."""
+    """Binds the padded primitive; returns ``(d_query, d_key, d_value)``."""
     return attention_bwd_p.bind(query, key, value, nonpad_kv_seqlen, out, lse, d_out, d_lse,
                                 config=config)
 
 
-attention_bwd_p.def_impl(
-    lambda *args, config: jax.jit(attention_bwd, static_argnums=8)(*args, config))
-
-
-def _abstract_eval(query, key, value, nonpad_kv_seqlen, out, lse, d_out, d_lse, *, config):
-    B, Sq, H, _ = query.shape
+def _abstract_eval(query, key, value, *lengths_and_residuals, config):
+    out, lse, d_out, d_lse = lengths_and_residuals[-4:]
+    N, Sq, H, _ = query.shape
     expected = {
-        "out": (out, (B, Sq, H, value.shape[3]), query.dtype),
-        "lse": (lse, (B, H, Sq), jnp.float32),
-        "d_out": (d_out, (B, Sq, H, value.shape[3]), query.dtype),
-        "d_lse": (d_lse, (B, H, Sq), jnp.float32),
+        "out": (out, (N, Sq, H, value.shape[3]), query.dtype),
+        "lse": (lse, (N, H, Sq), jnp.float32),
+        "d_out": (d_out, (N, Sq, H, value.shape[3]), query.dtype),
+        "d_lse": (d_lse, (N, H, Sq), jnp.float32),
     }
     for name, (aval, shape, dtype) in expected.items():
         if tuple(aval.shape) != shape or aval.dtype != dtype:
@@ -70,15 +74,11 @@ def _abstract_eval(query, key, value, nonpad_kv_seqlen, out, lse, d_out, d_lse, 
     return [jax.core.ShapedArray(x.shape, x.dtype) for x in (query, key, value)]
 
 
-def _batch(args, dims, *, config):
-    """As the forward's: a vmapped axis folds into the batch axis, which leads every operand
-    and result ([N, B, ...] -> [N * B, ...]), so it is still one call."""
-    size, folded = fold_vmapped_axis(args, dims)
-    results = unfold_vmapped_axis(attention_bwd(*folded, config), size)
-    return results, [0] * len(results)
-
-
-batching.primitive_batchers[attention_bwd_p] = _batch
+# As the forward's: a vmapped axis folds into the batch (packs) axis, which leads every operand
+# and result ([M, N, ...] -> [M * N, ...]), so it is still one call.
+for _p in (attention_bwd_p, packed_attention_bwd_p):
+    _p.def_impl(jit_impl(_p))
+    batching.primitive_batchers[_p] = batch_rule(_p)
 
 
 def dq_workspace_shape(query_aval, value_aval):
@@ -92,44 +92,70 @@ def dq_workspace_shape(query_aval, value_aval):
     return (B * H * -(-Sq // BWD_BLOCK_M) * (BWD_BLOCK_M * dim + 1),)
 
 
-def _lower(target, ctx, *args, config, workspaces=()):
-    # The workspaces: results that XLA allocates (the handlers never do) and nothing reads after
-    # the call. delta first (lse's shape), then the platform's own.
-    delta = jax.core.ShapedArray(ctx.avals_in[5].shape, jnp.float32)
-    extra = [delta, *(jax.core.ShapedArray(s, jnp.float32) for s in workspaces)]
-    ctx = ctx.replace(avals_out=[*ctx.avals_out, *extra])
-    results = jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(config))
-    return list(results[:3])  # d_query, d_key, d_value
+def _with_workspaces(lower, workspaces_of=lambda ctx: ()):
+    """``lower`` (a forward-style lowering of the call's operands and results) given the extra
+    results the handlers write: delta first (lse's shape), then the platform's own
+    (``workspaces_of(ctx)``: shapes). XLA allocates them (the handlers never do), and nothing
+    reads them after the call."""
+
+    def lowering(ctx, *args, config):
+        delta = jax.core.ShapedArray(ctx.avals_in[-3].shape, jnp.float32)  # lse's
+        extra = [delta, *(jax.core.ShapedArray(s, jnp.float32) for s in workspaces_of(ctx))]
+        results = lower(ctx.replace(avals_out=[*ctx.avals_out, *extra]), *args, config=config)
+        return list(results[:3])  # d_query, d_key, d_value
+
+    return lowering
 
 
-def _lower_cpu(ctx, *args, config):
-    _ffi.extension()
-    return _lower(_ffi.BWD_CPU_TARGET, ctx, *args, config=config)
+def _lower_cuda(target, workspaces_of):
+    """The CUDA lowering of a backward primitive (with its workspaces)."""
+
+    def lower(ctx, *args, config):
+        query, _, value = ctx.avals_in[:3]
+        require_cuda_kernels(query.shape[-1], value.shape[-1])
+        return jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(config))
+
+    return _with_workspaces(lower, workspaces_of)
 
 
-def _lower_cuda(ctx, *args, config):
-    query, _, value = ctx.avals_in[:3]
-    require_cuda_kernels(query.shape[-1], value.shape[-1])
-    return _lower(_ffi.BWD_CUDA_TARGET, ctx, *args, config=config,
-                  workspaces=[dq_workspace_shape(query, value)])
-
-
-# Like the forward: batch and whole kv-head groups split with no communication; the sequence
-# and head-size axes stay whole (_sharding.py).
+# Like the forward: batch (packs) and whole kv-head groups split with no communication; the
+# sequence and head-size axes stay whole (_sharding.py).
+_RESIDUALS = ("b q (k g) e", "b (k g) q", "b q (k g) e", "b (k g) q")  # out, lse, d_out, d_lse
+_GRADS = ("b q (k g) d", "b s k d", "b s k e")  # d_query, d_key, d_value
 _sharding.register(
     attention_bwd_p,
     _sharding.ShardingRule(
-        # query, key, value, lengths, out, lse, d_out, d_lse
-        operands=("b q (k g) d", "b s k d", "b s k e", "b",
-                  "b q (k g) e", "b (k g) q", "b q (k g) e", "b (k g) q"),
-        results=("b q (k g) d", "b s k d", "b s k e"),  # d_query, d_key, d_value
+        # query, key, value, lengths
+        operands=("b q (k g) d", "b s k d", "b s k e", "b", *_RESIDUALS),
+        results=_GRADS,
         parallel=("b", "k"),
     ),
     abstract_eval=_abstract_eval,
-    lowerings={"cpu": _lower_cpu, "cuda": _lower_cuda},
+    lowerings={
+        "cpu": _with_workspaces(lower_cpu(_ffi.BWD_CPU_TARGET)),
+        "cuda": _lower_cuda(_ffi.BWD_CUDA_TARGET, lambda ctx: [
+            dq_workspace_shape(ctx.avals_in[0], ctx.avals_in[2])]),
+    },
     targets=(_ffi.BWD_CPU_TARGET, _ffi.BWD_CUDA_TARGET),
 )
+_sharding.register(
+    packed_attention_bwd_p,
+    _sharding.ShardingRule(
+        # query, key, value, cu_seqlens_q, cu_seqlens_k
+        operands=("b q (k g) d", "b s k d", "b s k e", "b c", "b c", *_RESIDUALS),
+        results=_GRADS,
+        parallel=("b", "k"),
+    ),
+    abstract_eval=_abstract_eval,
+    lowerings={
+        "cpu": _with_workspaces(lower_cpu(_ffi.PACKED_BWD_CPU_TARGET)),
+        # The Hopper backward never takes a packed call (ffi/cuda/dispatch.cu): no dQ workspace.
+        "cuda": _lower_cuda(_ffi.PACKED_BWD_CUDA_TARGET, lambda ctx: [(0,)]),
+    },
+    targets=(_ffi.PACKED_BWD_CPU_TARGET, _ffi.PACKED_BWD_CUDA_TARGET),
+)
 
-# Under checkify, lengths outside [0, Skv] are reported here too: a pullback can be
-# checkified apart from its forward (elsewhere the kernels clamp them).
+# Under checkify, lengths outside [0, Skv] (and malformed offsets) are reported here too: a
+# pullback can be checkified apart from its forward (elsewhere the kernels clamp them).
 _checkify.register_lengths_check(attention_bwd_p, 3, lambda q, k, *rest: k.shape[1])
+_checkify.register_cu_seqlens_check(packed_attention_bwd_p)

@@ -1,11 +1,11 @@
-"""``jax.experimental.checkify`` support: out-of-range lengths become a check error.
+"""``jax.experimental.checkify`` support: invalid lengths and offsets become a check error.
 
-The rule lives on the primitive, so the check exists only when a caller functionalizes with
+The rules live on the primitives, so the checks exist only when a caller functionalizes with
 ``checkify.checkify``; plain ``jit`` programs carry no check effect (and ``jax.export`` can
-serialize them). Outside checkify, out-of-range lengths are clamped into ``[0, Skv]`` by the
-kernels. checkify has no public hook for primitives, so this uses ``jax._src.checkify`` (the
-rule adapts to both of its calling conventions in jax 0.10 to 0.12); should it move, the op
-still clamps, and only the report is lost.
+serialize them). Outside checkify, the kernels clamp what is out of range (ffi/seqlen.h).
+checkify has no public hook for primitives, so this uses ``jax._src.checkify`` (the rule adapts
+to both of its calling conventions in jax 0.10 to 0.12); should it move, the op still clamps,
+and only the report is lost.
 """
 
 from __future__ import annotations
@@ -18,13 +18,10 @@ except ImportError:  # pragma: no cover - a future jax without the private modul
     _checkify = None
 
 
-def register_lengths_check(primitive, lengths_index: int, seqlen_k_of) -> None:
-    """Reports ``nonpad_kv_seqlen`` outside ``[0, Skv]`` for ``primitive`` under checkify.
-
-    Args:
-      primitive: a primitive whose operand ``lengths_index`` holds ``[B]`` lengths.
-      seqlen_k_of: ``(*operands) -> Skv`` from the operands' static shapes.
-    """
+def _register(primitive, checks) -> None:
+    """Reports each failing check of ``checks(*operands, **params)``, a list of ``(bad, message,
+    *format arguments)`` with ``bad`` a traced bool and the arguments traced scalars that fill
+    the message's ``{}`` fields, for ``primitive`` under checkify."""
     if _checkify is None or not hasattr(_checkify, "error_checks"):
         return
 
@@ -35,19 +32,73 @@ def register_lengths_check(primitive, lengths_index: int, seqlen_k_of) -> None:
         at = next(i for i, a in enumerate(args) if isinstance(a, _checkify.Error))
         error, enabled_errors, operands = args[at], args[at + 1], args[at + 2:]
         if _checkify.FailedCheckError in enabled_errors:
-            seqlen_k = seqlen_k_of(*operands)
-            lengths = operands[lengths_index]
-            bad = jnp.any((lengths < 0) | (lengths > seqlen_k))
-            error = _checkify.assert_func(
-                error,
-                bad,
-                _checkify.FailedCheckError(
-                    _checkify.get_traceback(),
-                    f"nonpad_kv_seqlen must lie in [0, Skv={seqlen_k}]; out-of-range values "
-                    "are clamped",
-                ),
-            )
+            for bad, message, *fmt_args in checks(*operands, **params):
+                error = _checkify.assert_func(
+                    error, bad,
+                    _checkify.FailedCheckError(_checkify.get_traceback(), message, *fmt_args))
         return _checkify.default_checkify_rule(
             primitive, *args[:at], error, enabled_errors, *operands, **params)
 
     _checkify.error_checks[primitive] = rule
+
+
+def register_lengths_check(primitive, lengths_index: int, seqlen_k_of) -> None:
+    """Reports ``nonpad_kv_seqlen`` outside ``[0, Skv]`` for ``primitive`` under checkify.
+
+    Args:
+      primitive: a primitive whose operand ``lengths_index`` holds ``[B]`` lengths.
+      seqlen_k_of: ``(*operands) -> Skv`` from the operands' static shapes.
+    """
+
+    def checks(*operands, **params):
+        seqlen_k = seqlen_k_of(*operands)
+        lengths = operands[lengths_index]
+        return [(jnp.any((lengths < 0) | (lengths > seqlen_k)),
+                 f"nonpad_kv_seqlen must lie in [0, Skv={seqlen_k}]; out-of-range values "
+                 "are clamped")]
+
+    _register(primitive, checks)
+
+
+def cu_seqlens_checks(name: str, cu_seqlens, rows: int, hint: int, hint_name: str):
+    """The checks of one ``[N, B + 1]`` offsets operand of a pack of ``rows`` rows (Tq or Tk):
+    ``(bad, message, index, value)`` for the first offending entry of each rule (for ``N > 1``,
+    under vmap, the index counts along the last axis of the first offending pack)."""
+    n = cu_seqlens.shape[-1]
+    flat = cu_seqlens.reshape(-1)
+    lengths = jnp.diff(cu_seqlens, axis=-1)  # [N, B]
+
+    def first(bad, values, width):  # (any, index along the last axis, value) of the first bad
+        if bad.size == 0:  # no sequences (B = 0): no lengths to check
+            return jnp.bool_(False), jnp.int32(0), jnp.int32(0)
+        bad_flat = bad.reshape(-1)
+        at = jnp.argmax(bad_flat)
+        return jnp.any(bad_flat), at % width, values.reshape(-1)[at]
+
+    start = jnp.zeros_like(cu_seqlens, dtype=bool).at[..., 0].set(cu_seqlens[..., 0] != 0)
+    decreasing = jnp.zeros_like(cu_seqlens, dtype=bool).at[..., 1:].set(lengths < 0)
+    checks = [
+        (*first(start, flat, n), f"{name}[{{}}] = {{}}: {name} must start at 0"),
+        (*first(decreasing, flat, n), f"{name}[{{}}] = {{}} is below the entry before it: {name} "
+                                      "must be non-decreasing"),
+        (*first(cu_seqlens > rows, flat, n), f"{name}[{{}}] = {{}} is past the token count "
+                                             f"({rows}): {name} must end at most there"),
+        (*first(lengths > hint, lengths, n - 1),
+         f"sequence {{}} has {{}} rows, more than {hint_name}={hint}: a hint must bound every "
+         "length (longer sequences are clamped)"),
+    ]
+    return [(bad, message, at, value) for bad, at, value, message in checks]
+
+
+def register_cu_seqlens_check(primitive) -> None:
+    """Reports malformed ``cu_seqlens_q``/``cu_seqlens_k`` (operands 3 and 4 of the packed
+    primitives: not starting at 0, decreasing, past the token count, or with a sequence longer
+    than its ``max_seqlen`` hint) under checkify; the kernels clamp them otherwise."""
+
+    def checks(query, key, value, cu_seqlens_q, cu_seqlens_k, *rest, config):
+        return (cu_seqlens_checks("cu_seqlens_q", cu_seqlens_q, query.shape[1],
+                                  config.max_seqlen_q, "max_seqlen_q")
+                + cu_seqlens_checks("cu_seqlens_k", cu_seqlens_k, key.shape[1],
+                                    config.max_seqlen_k, "max_seqlen_k"))
+
+    _register(primitive, checks)

@@ -13,8 +13,13 @@ class AttentionConfig:
       scale: multiplies ``<q, k>`` (already resolved from ``1/sqrt(D)`` when not given).
       is_causal: tail-aligned (bottom-right) causal mask.
       softcap: ``0`` is off; otherwise scores become ``softcap * tanh(s / softcap)``.
+      max_seqlen_q, max_seqlen_k: the packed layout only (``None`` for the padded batch): the
+        longest sequence's query and key rows, already resolved (``Tq``/``Tk`` when not given);
+        they size the kernels' grids and longer sequences are clamped to them.
     """
 
     scale: float
     is_causal: bool = False
     softcap: float = 0.0
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None

@@ -6,11 +6,15 @@ import functools
 
 import jax
 
-# The forward (_primitive.py) and the backward (_backward.py), per platform.
+# The forward (_primitive.py) and the backward (_backward.py), per platform, padded and packed.
 CPU_TARGET = "jax_varlen_attention_fwd_cpu"
 CUDA_TARGET = "jax_varlen_attention_fwd_cuda"
 BWD_CPU_TARGET = "jax_varlen_attention_bwd_cpu"
 BWD_CUDA_TARGET = "jax_varlen_attention_bwd_cuda"
+PACKED_CPU_TARGET = "jax_varlen_packed_attention_fwd_cpu"
+PACKED_CUDA_TARGET = "jax_varlen_packed_attention_fwd_cuda"
+PACKED_BWD_CPU_TARGET = "jax_varlen_packed_attention_bwd_cpu"
+PACKED_BWD_CUDA_TARGET = "jax_varlen_packed_attention_bwd_cuda"
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}  # the names XLA's registry expects
 
 

@@ -1,10 +1,22 @@
-"""The forward attention primitive: abstract evaluation, batching and per-platform lowering.
+"""The forward attention primitives, padded and packed: abstract evaluation, batching and
+per-platform lowering, one set of rules for both.
 
-Operands (already normalized to rank 4 by ``_api``):
+``attention_fwd_p``, operands (already normalized to rank 4 by ``_api``):
   query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv], nonpad_kv_seqlen int32 [B]
-Results:
-  out [B, Sq, H, Dv] (dtype of query), lse float32 [B, H, Sq]
-Static parameter: ``config``, one frozen :class:`AttentionConfig`.
+``packed_attention_fwd_p``, operands (``_packed_api`` adds the leading axis):
+  query [N, Tq, H, D], key [N, Tk, Hkv, D], value [N, Tk, Hkv, Dv], cu_seqlens_q and
+  cu_seqlens_k int32 [N, B + 1]: N packs (1 from the public API, more under vmap) of B
+  sequences each (ffi/params.h)
+Results of both:
+  out [N, Sq, H, Dv] (dtype of query), lse float32 [N, H, Sq] (packed: Sq = Tq)
+Static parameter: ``config``, one frozen :class:`AttentionConfig` (packed: with the
+``max_seqlen_q/k`` hints).
+
+Both primitives lead every operand and result with the same axis (the batch, or the packs), so
+they share their abstract evaluation, their batching rule (a vmapped axis folds into that axis:
+for the packed layout, a vmapped axis becomes more packs, i.e. more sequences, in one launch)
+and their lowerings; only the FFI targets, the sharding rules' length operands and the
+checkify checks differ.
 """
 
 from __future__ import annotations
@@ -40,23 +52,36 @@ BWD_SM90_MAX_HEAD_DIM = _CONSTANTS.get("bwd_sm90_max_head_dim")
 
 attention_fwd_p = Primitive("jax_varlen_attention_fwd")
 attention_fwd_p.multiple_results = True
+packed_attention_fwd_p = Primitive("jax_varlen_packed_attention_fwd")
+packed_attention_fwd_p.multiple_results = True
 
 
 def attention_fwd(query, key, value, nonpad_kv_seqlen, config: AttentionConfig):
-    """Binds the primitive; returns ``(out, lse)``."""
+    """Binds the padded primitive; returns ``(out, lse)``."""
     return attention_fwd_p.bind(query, key, value, nonpad_kv_seqlen, config=config)
 
 
-attention_fwd_p.def_impl(lambda *args, config: jax.jit(attention_fwd, static_argnums=4)(*args, config))
+def packed_attention_fwd(query, key, value, cu_seqlens_q, cu_seqlens_k, config: AttentionConfig):
+    """Binds the packed primitive; returns ``(out, lse)``."""
+    return packed_attention_fwd_p.bind(query, key, value, cu_seqlens_q, cu_seqlens_k,
+                                       config=config)
 
 
-@attention_fwd_p.def_abstract_eval
-def _abstract_eval(query, key, value, nonpad_kv_seqlen, *, config):
-    B, Sq, H, _ = query.shape
+def jit_impl(primitive):
+    """Eager evaluation of ``primitive``: its binding, compiled once per shape and config."""
+
+    def impl(*args, config):
+        return primitive.bind(*args, config=config)
+
+    return jax.jit(impl, static_argnames="config")
+
+
+def _abstract_eval(query, key, value, *lengths, config):
+    N, Sq, H, _ = query.shape
     Dv = value.shape[-1]
     return (
-        jax.core.ShapedArray((B, Sq, H, Dv), query.dtype),
-        jax.core.ShapedArray((B, H, Sq), jnp.float32),
+        jax.core.ShapedArray((N, Sq, H, Dv), query.dtype),
+        jax.core.ShapedArray((N, H, Sq), jnp.float32),
     )
 
 
@@ -83,46 +108,71 @@ def unfold_vmapped_axis(results, size):
     return [r.reshape((size, -1) + r.shape[1:]) for r in results]
 
 
-def _batch(args, dims, *, config):
-    """A vmapped axis folds into the batch axis: [N, B, ...] -> [N * B, ...], one launch."""
-    size, folded = fold_vmapped_axis(args, dims)
-    results = unfold_vmapped_axis(attention_fwd(*folded, config), size)
-    return results, [0] * len(results)
+def batch_rule(primitive):
+    """The batching rule of a primitive whose operands and results all lead with its batch (or
+    packs) axis: a vmapped axis folds into it, [M, N, ...] -> [M * N, ...], one launch."""
+
+    def rule(args, dims, *, config):
+        size, folded = fold_vmapped_axis(args, dims)
+        results = unfold_vmapped_axis(primitive.bind(*folded, config=config), size)
+        return results, [0] * len(results)
+
+    return rule
 
 
-batching.primitive_batchers[attention_fwd_p] = _batch
+for _p in (attention_fwd_p, packed_attention_fwd_p):
+    _p.def_impl(jit_impl(_p))
+    batching.primitive_batchers[_p] = batch_rule(_p)
 
 
 def ffi_attrs(config: AttentionConfig):
     """The FFI attributes of a call (the forward's and the backward's): scale, is_causal,
-    softcap."""
-    return dict(
+    softcap, and for the packed layout max_seqlen_q and max_seqlen_k."""
+    attrs = dict(
         scale=np.float32(config.scale),
         is_causal=bool(config.is_causal),
         softcap=np.float32(config.softcap),
     )
+    if config.max_seqlen_q is not None:
+        attrs.update(max_seqlen_q=np.int64(config.max_seqlen_q),
+                     max_seqlen_k=np.int64(config.max_seqlen_k))
+    return attrs
 
 
-def _lower_cpu(ctx, *args, config):
-    _ffi.extension()
-    return jax.ffi.ffi_lowering(_ffi.CPU_TARGET)(ctx, *args, **ffi_attrs(config))
+def lower_cpu(target: str):
+    """The CPU lowering of a primitive: its operands and results, as they are, to ``target``."""
+
+    def lower(ctx, *args, config):
+        _ffi.extension()
+        return jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(config))
+
+    return lower
 
 
-def split_keys_for(query_aval) -> int:
+def grid_extents(avals_in, config: AttentionConfig) -> tuple[int, int, int]:
+    """``(sequences, Sq, Skv)`` the kernels' grids are sized for: the padded batch's extents, or
+    the packed layout's ``N * B`` sequences and ``max_seqlen_q/k`` (ffi/params.h)."""
+    query, key = avals_in[:2]
+    if config.max_seqlen_q is None:
+        return query.shape[0], query.shape[1], key.shape[1]
+    cu_seqlens_q = avals_in[3]
+    return query.shape[0] * (cu_seqlens_q.shape[1] - 1), config.max_seqlen_q, config.max_seqlen_k
+
+
+def split_keys_for(dtype, seqlen_q: int) -> int:
     """Keys per split-KV chunk for this call on CUDA, or 0 for the one-pass kernel."""
-    short = query_aval.shape[1] <= SPLIT_MAX_SEQLEN_Q
-    return SPLIT_KEYS if short and query_aval.dtype in (jnp.float16, jnp.bfloat16) else 0
+    short = seqlen_q <= SPLIT_MAX_SEQLEN_Q
+    return SPLIT_KEYS if short and dtype in (jnp.float16, jnp.bfloat16) else 0
 
 
-def split_workspace_shape(query_aval, key_aval, value_aval, split_keys: int):
+def split_workspace_shape(batch: int, seqlen_q: int, seqlen_k: int, num_heads: int,
+                          kv_num_heads: int, head_dim_v: int, split_keys: int):
     """Float32 workspace of the split-KV path (layout: ffi/params.h), empty when unused."""
     if not split_keys:
         return (0,)
-    B, Sq, H, _ = query_aval.shape
-    Skv, Hkv = key_aval.shape[1:3]
-    rows_pad = -(-Sq * (H // Hkv) // 16) * 16
-    max_splits = -(-Skv // split_keys)
-    return (B * Hkv * max_splits * rows_pad * (value_aval.shape[3] + 1),)
+    rows_pad = -(-seqlen_q * (num_heads // kv_num_heads) // 16) * 16
+    max_splits = -(-seqlen_k // split_keys)
+    return (batch * kv_num_heads * max_splits * rows_pad * (head_dim_v + 1),)
 
 
 def require_cuda_kernels(head_dim: int, head_dim_v: int) -> None:
@@ -142,35 +192,57 @@ def require_cuda_kernels(head_dim: int, head_dim_v: int) -> None:
         )
 
 
-def _lower_cuda(ctx, query, *args, config):
-    require_cuda_kernels(ctx.avals_in[0].shape[-1], ctx.avals_in[2].shape[-1])
-    # The split-KV workspace is a third result that only the CUDA call has: XLA allocates it
-    # (the handler never does), and nothing reads it after the call.
-    q_aval, k_aval, v_aval, _ = ctx.avals_in
-    split_keys = split_keys_for(q_aval)
-    workspace = jax.core.ShapedArray(
-        split_workspace_shape(q_aval, k_aval, v_aval, split_keys), jnp.float32
-    )
-    ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
-    out, lse, _ = jax.ffi.ffi_lowering(_ffi.CUDA_TARGET)(
-        ctx, query, *args, **ffi_attrs(config), split_keys=np.int64(split_keys)
-    )
-    return [out, lse]
+def lower_cuda(target: str):
+    """The CUDA lowering of a forward primitive: its operands and results, plus the split-KV
+    workspace, a third result that only the CUDA call has: XLA allocates it (the handler never
+    does), and nothing reads it after the call."""
+
+    def lower(ctx, *args, config):
+        q_aval, k_aval, v_aval = ctx.avals_in[:3]
+        require_cuda_kernels(q_aval.shape[-1], v_aval.shape[-1])
+        batch, seqlen_q, seqlen_k = grid_extents(ctx.avals_in, config)
+        split_keys = split_keys_for(q_aval.dtype, seqlen_q)
+        shape = split_workspace_shape(batch, seqlen_q, seqlen_k, q_aval.shape[2], k_aval.shape[2],
+                                      v_aval.shape[3], split_keys)
+        ctx = ctx.replace(avals_out=[*ctx.avals_out, jax.core.ShapedArray(shape, jnp.float32)])
+        out, lse, _ = jax.ffi.ffi_lowering(target)(
+            ctx, *args, **ffi_attrs(config), split_keys=np.int64(split_keys)
+        )
+        return [out, lse]
+
+    return lower
 
 
-# Sharded jit splits batch and whole kv-head groups with no communication; the sequence and
-# head-size axes stay whole (see _sharding.py for the mechanism and its limits).
+# Sharded jit splits batch (packs) and whole kv-head groups with no communication; the sequence
+# and head-size axes stay whole (see _sharding.py for the mechanism and its limits). The packed
+# layout's offsets [N, B + 1] stay whole per pack.
+_RESULTS = ("b q (k g) e", "b (k g) q")  # out, lse; query head h = k * (H // Hkv) + g
 _sharding.register(
     attention_fwd_p,
     _sharding.ShardingRule(
         operands=("b q (k g) d", "b s k d", "b s k e", "b"),  # query, key, value, lengths
-        results=("b q (k g) e", "b (k g) q"),  # out, lse; query head h = k * (H // Hkv) + g
+        results=_RESULTS,
         parallel=("b", "k"),
     ),
     abstract_eval=_abstract_eval,
-    lowerings={"cpu": _lower_cpu, "cuda": _lower_cuda},
+    lowerings={"cpu": lower_cpu(_ffi.CPU_TARGET), "cuda": lower_cuda(_ffi.CUDA_TARGET)},
     targets=(_ffi.CPU_TARGET, _ffi.CUDA_TARGET),
 )
+_sharding.register(
+    packed_attention_fwd_p,
+    _sharding.ShardingRule(
+        # query, key, value, cu_seqlens_q, cu_seqlens_k
+        operands=("b q (k g) d", "b s k d", "b s k e", "b c", "b c"),
+        results=_RESULTS,
+        parallel=("b", "k"),
+    ),
+    abstract_eval=_abstract_eval,
+    lowerings={"cpu": lower_cpu(_ffi.PACKED_CPU_TARGET),
+               "cuda": lower_cuda(_ffi.PACKED_CUDA_TARGET)},
+    targets=(_ffi.PACKED_CPU_TARGET, _ffi.PACKED_CUDA_TARGET),
+)
 
-# Under checkify, lengths outside [0, Skv] are reported (elsewhere the kernels clamp them).
+# Under checkify, lengths outside [0, Skv] and malformed offsets (or offsets past the hints) are
+# reported (elsewhere the kernels clamp them).
 _checkify.register_lengths_check(attention_fwd_p, 3, lambda q, k, v, n: k.shape[1])
+_checkify.register_cu_seqlens_check(packed_attention_fwd_p)

@@ -69,19 +69,43 @@ def reference(
         value = value.reshape(value.shape[:2] + (kv_num_heads, -1))
 
     batch, seqlen_q, heads, head_dim = query.shape
-    seqlen_k, kv_heads = key.shape[1], key.shape[2]
-    out_dtype = query.dtype
-    compute = jnp.promote_types(jnp.float32, query.dtype)
+    seqlen_k = key.shape[1]
     if scale is None:
         scale = 1.0 / head_dim**0.5
 
     # n: [B], clamped so that it can index [0, Skv].
     n = jnp.clip(jnp.asarray(nonpad_kv_seqlen).astype(jnp.int32), 0, seqlen_k)
+    kv_valid = jnp.arange(seqlen_k)[None, :] < n[:, None]  # [B, Skv]
 
-    # Zero padded keys/values before any product: p * NaN would be NaN even where p == 0.
-    # The where also makes their gradients exactly zero.
-    kv_valid = (jnp.arange(seqlen_k)[None, :] < n[:, None])[:, :, None, None]  # [B, Skv, 1, 1]
+    # allowed: [B, 1, Sq, Skv]. Worked example, causal, Sq=3, n=5: query 0 sees keys 0..2,
+    # query 2 sees keys 0..4. With n=1 < Sq=3, queries 0 and 1 see nothing.
+    i = jnp.arange(seqlen_q)[:, None]
+    j = jnp.arange(seqlen_k)[None, :]
+    nb = n[:, None, None, None]
+    allowed = j < nb
+    if is_causal:
+        allowed = allowed & (j <= i + (nb - seqlen_q))
+    out, lse = _masked_attention(query, key, value, kv_valid, allowed, scale, softcap)
+    if rank3:
+        out = out.reshape(batch, seqlen_q, -1)
+    return (out, lse) if return_lse else out
+
+
+def _masked_attention(query, key, value, kv_valid, allowed, scale, softcap, q_valid=None):
+    """Dense softmax attention under a mask: query [B, Sq, H, D], key [B, Skv, Hkv, D], value
+    [B, Skv, Hkv, Dv], kv_valid [B, Skv] (keys that may be read at all), allowed [B, 1, Sq, Skv]
+    (a subset of them per query row), q_valid [B, Sq] (query rows that may be read at all;
+    default every row). Returns out [B, Sq, H, Dv] (query's dtype) and float32 lse [B, H, Sq]."""
+    heads, kv_heads = query.shape[2], key.shape[2]
+    out_dtype = query.dtype
+    compute = jnp.promote_types(jnp.float32, query.dtype)
+
+    # Zero keys/values that may not be read before any product: p * NaN would be NaN even
+    # where p == 0. The where also makes their gradients exactly zero.
+    kv_valid = kv_valid[:, :, None, None]  # [B, Skv, 1, 1]
     q = query.astype(compute)
+    if q_valid is not None:
+        q = jnp.where(q_valid[:, :, None, None], q, 0)
     k = jnp.where(kv_valid, key.astype(compute), 0)
     v = jnp.where(kv_valid, value.astype(compute), 0)
 
@@ -94,15 +118,6 @@ def reference(
     s = scale * jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=_HIGHEST)  # [B, H, Sq, Skv]
     if softcap > 0:
         s = softcap * jnp.tanh(s / softcap)
-
-    # allowed: [B, 1, Sq, Skv]. Worked example, causal, Sq=3, n=5: query 0 sees keys 0..2,
-    # query 2 sees keys 0..4. With n=1 < Sq=3, queries 0 and 1 see nothing.
-    i = jnp.arange(seqlen_q)[:, None]
-    j = jnp.arange(seqlen_k)[None, :]
-    nb = n[:, None, None, None]
-    allowed = j < nb
-    if is_causal:
-        allowed = allowed & (j <= i + (nb - seqlen_q))
     any_allowed = jnp.any(allowed, axis=-1, keepdims=True)  # [B, 1, Sq, 1]
 
     # Double where: masked rows use a safe max (0) and a safe sum (1), so neither the
@@ -118,10 +133,82 @@ def reference(
     # values the row does not allow.
     weights = jnp.where(allowed, p / l, 0.0)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v, precision=_HIGHEST)  # [B, Sq, H, Dv]
-    out = out.astype(out_dtype)
-    if rank3:
-        out = out.reshape(batch, seqlen_q, -1)
-    if not return_lse:
-        return out
     lse = jnp.where(any_allowed, m + jnp.log(l), -jnp.inf)[..., 0]  # [B, H, Sq]
-    return out, lse.astype(jnp.float32)
+    return out.astype(out_dtype), lse.astype(jnp.float32)
+
+
+def _segments(cu_seqlens, rows: int):
+    """For each of ``rows`` packed rows: (sequence index or -1 past the last offset, position
+    in its sequence, its sequence's length). Offsets are clamped into [0, rows] and made
+    non-decreasing first (invalid offsets are clamped, as the kernels clamp them)."""
+    cu = jax.lax.cummax(jnp.clip(jnp.asarray(cu_seqlens).astype(jnp.int32), 0, rows))
+    r = jnp.arange(rows)
+    b = jnp.searchsorted(cu[1:], r, side="right")  # sequences that end at or before row r
+    owned = r < cu[-1]
+    bc = jnp.minimum(b, cu.shape[0] - 2)
+    start = cu[bc]
+    return jnp.where(owned, b, -1), r - start, cu[bc + 1] - start
+
+
+def packed_reference(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    num_heads=None,
+    kv_num_heads=None,
+    scale=None,
+    is_causal=False,
+    softcap=0.0,
+    return_lse=False,
+):
+    """The packed layout's attention, computed densely over every (query row, key row) pair
+    and masked to the pairs of one sequence.
+
+    Args:
+      query: `[Tq, H, D]`, or `[Tq, H*D]` with `num_heads`.
+      key, value: `[Tk, Hkv, D]` and `[Tk, Hkv, Dv]` (or merged heads with `kv_num_heads`).
+      cu_seqlens_q, cu_seqlens_k: `[B + 1]` ints: sequence `b` owns query rows
+        `cu_seqlens_q[b]:cu_seqlens_q[b+1]` and key rows `cu_seqlens_k[b]:cu_seqlens_k[b+1]`.
+        Rows past the last offset belong to no sequence (any bits, never read).
+      max_seqlen_q, max_seqlen_k: accepted for `packed_attention`'s signature; valid offsets
+        never exceed them, and the oracle does not need them.
+      Others: as for `reference`; causal is tail-aligned per sequence (key `j` allowed for
+        query `i` iff `j <= i + len_k - len_q`).
+
+    Returns:
+      `out` with the rank and dtype of `query`; with `return_lse`, `(out, lse)` where `lse`
+      is float32 `[H, Tq]`. Rows with no allowed key, and rows past the last offset, give
+      zeros and `lse = -inf`.
+    """
+    del max_seqlen_q, max_seqlen_k
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    rank2 = query.ndim == 2
+    if rank2:
+        if num_heads is None:
+            raise ValueError("num_heads is required for rank-2 [T, H*D] inputs")
+        kv_num_heads = num_heads if kv_num_heads is None else kv_num_heads
+        query = query.reshape(query.shape[:1] + (num_heads, -1))
+        key = key.reshape(key.shape[:1] + (kv_num_heads, -1))
+        value = value.reshape(value.shape[:1] + (kv_num_heads, -1))
+    if scale is None:
+        scale = 1.0 / query.shape[-1] ** 0.5
+
+    # Worked example, cu_seqlens_q = [0, 2, 5], Tq = 6: rows 0-1 are sequence 0 (positions
+    # 0-1 of 2), rows 2-4 sequence 1 (positions 0-2 of 3), row 5 no sequence's.
+    seq_q, pos_q, len_q = _segments(cu_seqlens_q, query.shape[0])
+    seq_k, pos_k, len_k = _segments(cu_seqlens_k, key.shape[0])
+    allowed = (seq_q[:, None] == seq_k[None, :]) & (seq_q[:, None] >= 0)  # [Tq, Tk]
+    if is_causal:
+        allowed = allowed & (pos_k[None, :] <= pos_q[:, None] + len_k[None, :] - len_q[:, None])
+    out, lse = _masked_attention(query[None], key[None], value[None], (seq_k >= 0)[None],
+                                 allowed[None, None], scale, softcap, q_valid=(seq_q >= 0)[None])
+    out, lse = out[0], lse[0]
+    if rank2:
+        out = out.reshape(out.shape[:1] + (-1,))
+    return (out, lse) if return_lse else out

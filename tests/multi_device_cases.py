@@ -134,6 +134,39 @@ def test_sharded_grad_no_collectives():
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_packed_sharded_over_heads_no_collectives(explicit):
+    """packed_attention [T, H, D] split over whole kv-head groups: no communication, forward
+    and gradients, and the single-device bits."""
+    rng = np.random.default_rng(31)
+    cu_q = jnp.asarray([0, 5, 5, 22, 40], jnp.int32)
+    cu_k = jnp.asarray([0, 9, 12, 12, 47], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((43, 8, D), dtype=np.float32))
+    k = jnp.asarray(rng.standard_normal((48, 4, D), dtype=np.float32))
+    v = jnp.asarray(rng.standard_normal((48, 4, DV), dtype=np.float32))
+
+    def f(q, k, v, cu_q, cu_k):
+        return jax_varlen.packed_attention(q, k, v, cu_q, cu_k, is_causal=True, return_lse=True)
+
+    def loss(q, k, v, cu_q, cu_k):
+        out, _ = f(q, k, v, cu_q, cu_k)
+        return jnp.sum(out * out)
+
+    fwd, grad = jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    ref_out, ref_lse = fwd(q, k, v, cu_q, cu_k)
+    ref_grads = grad(q, k, v, cu_q, cu_k)
+    mesh = _mesh(explicit=explicit)
+    heads = P(None, "y", None)
+    sharded = _put(mesh, (q, k, v, cu_q, cu_k), (heads, heads, heads, P(), P()))
+    assert _collectives(fwd.lower(*sharded).compile().as_text()) == []
+    assert _collectives(grad.lower(*sharded).compile().as_text()) == []
+    out, lse = fwd(*sharded)
+    assert _spec(out) == (None, "y", None) and _spec(lse) == ("y", None)
+    assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
+    for got, want in zip(grad(*sharded), ref_grads):
+        assert bits(got) == bits(want)
+
+
 def test_sharded_jit_gspmd():
     """The GSPMD callbacks (jax_use_shardy_partitioner=False) split the same way."""
     args = make_inputs(B, SQ, SKV, 8, 4, D, DV, jnp.float32, LENGTHS, seed=13)

@@ -31,14 +31,20 @@ def test_readme_python_examples_run():
 
 def test_documented_signature_is_the_real_one():
     """The signature blocks (README and docs/semantics.md) list the real keyword arguments
-    and defaults of attention and reference."""
+    and defaults of attention and reference, and of packed_attention and packed_reference."""
     for doc in ("README.md", "docs/semantics.md"):
         text = (ROOT / doc).read_text()
-        sig = next(b for b in _blocks(text, "text") if "jax_varlen.attention(" in b)
-        for fn in (jax_varlen.attention, jax_varlen.reference):
-            for name, p in inspect.signature(fn).parameters.items():
-                expected = name if p.default is inspect.Parameter.empty else f"{name}={p.default!r}"
-                assert expected in sig, f"{doc}: {expected} missing from the signature"
+        for call, fns in (
+            ("jax_varlen.attention(", (jax_varlen.attention, jax_varlen.reference)),
+            ("jax_varlen.packed_attention(",
+             (jax_varlen.packed_attention, jax_varlen.packed_reference)),
+        ):
+            sig = next(b for b in _blocks(text, "text") if call in b)
+            for fn in fns:
+                for name, p in inspect.signature(fn).parameters.items():
+                    expected = (name if p.default is inspect.Parameter.empty
+                                else f"{name}={p.default!r}")
+                    assert expected in sig, f"{doc}: {expected} missing from the signature"
 
 
 def test_docs_link_the_contract():

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu/numeric.h"
+#include "seqlen.h"
 
 // This file is compiled once per instruction set (CMakeLists.txt): JV_CPU_ISA names the
 // namespace of this copy, e.g. jax_varlen::cpu::avx2 built with -mavx2 -mfma.
@@ -101,16 +102,18 @@ void attend_rows(const AttentionParams& p, Scratch& w, const T* q_rows, int64_t 
   }
 }
 
+// Item = (sequence b, kv head g, block of kRowsPerItem query rows), sequence-major. Blocks past
+// the sequence's query rows (a packed batch's grid covers the longest one) do nothing.
 template <typename T>
 void run_item(const AttentionParams& p, int64_t item) {
-  const int64_t Sq = p.seqlen_q, H = p.num_heads, Hkv = p.kv_num_heads;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  const int64_t blocks = (Sq + kRowsPerItem - 1) / kRowsPerItem;
+  const int64_t Hkv = p.kv_num_heads, D = p.head_dim, Dv = p.head_dim_v;
+  const int64_t blocks = (p.seqlen_q + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t block = item % blocks;
   const int64_t g = (item / blocks) % Hkv;
-  const int64_t b = item / blocks / Hkv;
-  const int64_t n = clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k);
+  const SeqlenInfo seq(p, item / blocks / Hkv);
+  const int64_t Sq = seq.seqlen_q, n = seq.seqlen_k;
   const int64_t i0 = block * kRowsPerItem, i1 = std::min(Sq, i0 + kRowsPerItem);
+  if (i0 >= i1) return;
   const int64_t keys = allowed_keys(i1 - 1, n, Sq, p.is_causal);  // the most any row here sees
 
   thread_local Scratch w;
@@ -122,23 +125,24 @@ void run_item(const AttentionParams& p, int64_t item) {
   w.acc.resize(kRows * Dv);
 
   // Only the allowed keys of this kv head are read: padding is never touched.
-  const T* k = static_cast<const T*>(p.k) + (b * p.seqlen_k * Hkv + g) * D;
-  const T* v = static_cast<const T*>(p.v) + (b * p.seqlen_k * Hkv + g) * Dv;
+  const T* k = static_cast<const T*>(p.k) + seq.k_index(p, 0, g);
+  const T* v = static_cast<const T*>(p.v) + seq.v_index(p, 0, g);
   for (int64_t j = 0; j < keys; ++j) {
-    for (int64_t d = 0; d < D; ++d) w.key_t[d * keys_stride + j] = to_float(k[j * Hkv * D + d]);
-    for (int64_t e = 0; e < Dv; ++e) w.value[j * Dv + e] = to_float(v[j * Hkv * Dv + e]);
+    for (int64_t d = 0; d < D; ++d) w.key_t[d * keys_stride + j] = to_float(k[j * p.k_row_stride + d]);
+    for (int64_t e = 0; e < Dv; ++e) w.value[j * Dv + e] = to_float(v[j * p.v_row_stride + e]);
   }
 
-  const int64_t group = H / Hkv;
+  const int64_t group = p.num_heads / Hkv;
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
     for (int64_t i = i0; i < i1; i += kRows) {
       int64_t limit[kRows];
       for (int64_t r = 0; r < kRows; ++r)
         limit[r] = i + r < i1 ? allowed_keys(i + r, n, Sq, p.is_causal) : -1;
-      const T* q = static_cast<const T*>(p.q) + ((b * Sq + i) * H + h) * D;
-      T* out = static_cast<T*>(p.out) + ((b * Sq + i) * H + h) * Dv;
-      float* lse = p.lse + (b * H + h) * Sq + i;
-      attend_rows<T>(p, w, q, H * D, limit, keys_stride, out, H * Dv, lse);
+      const T* q = static_cast<const T*>(p.q) + seq.q_index(p, i, h);
+      T* out = static_cast<T*>(p.out) + seq.out_index(p, i, h);
+      // lse rows i, i + 1, ... of head h are consecutive in both layouts (seqlen.h).
+      attend_rows<T>(p, w, q, p.q_row_stride, limit, keys_stride, out, p.out_row_stride,
+                     p.lse + seq.lse_index(p, h, i));
     }
   }
 }

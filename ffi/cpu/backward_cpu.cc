@@ -324,13 +324,16 @@ void delta_item(const BackwardParams& bp, int64_t item) {
 
 // d_key and d_value of keys [j0, j0 + kKeyBlock) of kv head g: summed over the group's query
 // heads, then over the query rows that see key j0 (all rows; under causal, rows from
-// j0 - n + Sq on), in that order. Keys at or past n get zeros and are never read.
+// j0 - n + Sq on), in that order. Keys at or past n (the padding of the sequence's key rows)
+// get zeros and are never read; blocks past its key rows (a packed batch's items cover the
+// longest sequence) do nothing.
 template <typename T>
 void dkv_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t j0) {
   const AttentionParams& p = bp.fwd;
   const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.num_heads / p.kv_num_heads;
   const int64_t Sq = seq.seqlen_q, n = seq.seqlen_k;
-  const int64_t j1 = std::min(p.seqlen_k, j0 + kKeyBlock);
+  const int64_t j1 = std::min(seq.k_rows, j0 + kKeyBlock);
+  if (j0 >= j1) return;
   const int64_t keys = std::clamp<int64_t>(n - j0, 0, j1 - j0);  // real keys in the block
   T* d_k = static_cast<T*>(bp.d_k);
   T* d_v = static_cast<T*>(bp.d_v);
@@ -388,13 +391,15 @@ void dkv_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_
 }
 
 // d_query of query rows [i0, i0 + kRowBlock) of the query heads of kv head g: summed over
-// each row's allowed keys in order. Rows with no allowed key get zeros.
+// each row's allowed keys in order. Rows with no allowed key get zeros; blocks past the
+// sequence's query rows do nothing.
 template <typename T>
 void dq_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t i0) {
   const AttentionParams& p = bp.fwd;
   const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.num_heads / p.kv_num_heads;
   const int64_t Sq = seq.seqlen_q, n = seq.seqlen_k;
   const int64_t i1 = std::min(Sq, i0 + kRowBlock), rows = i1 - i0;
+  if (rows <= 0) return;
   const int64_t keys = allowed_keys(i1 - 1, n, Sq, p.is_causal);  // the most any row here sees
   T* d_q = static_cast<T*>(bp.d_q);
   if (keys == 0) {

@@ -1,11 +1,27 @@
-// XLA FFI handler of the CPU backward: validate, fill BackwardParams, and run the two passes
-// of work items (backward_cpu.h) on XLA's intra-op thread pool, one after the other.
+// XLA FFI handlers of the CPU backward, padded and packed: validate, fill BackwardParams, and
+// run the passes of work items (backward_cpu.h) on XLA's intra-op thread pool, one after the
+// other.
 #include "cpu/backward_cpu.h"
+#include "cpu/packed_fill.h"
 #include "cpu/parallel.h"
 #include "handler_common.h"
 
 namespace jax_varlen {
 namespace {
+
+ffi::Error run_bwd(ffi::ThreadPool& pool, const ffi::ErrorOr<BackwardParams>& params) {
+  if (!params) return params.error();
+  const BackwardParams p = *params;
+  // Packed: the rows no sequence owns first (the items never write them).
+  if (p.fwd.cu_seqlens_q != nullptr)
+    cpu::parallel_for(pool, cpu::num_bwd_fill_items(p),
+                      [p](int64_t item) { cpu::run_bwd_fill_item(p, item); });
+  cpu::parallel_for(pool, cpu::num_bwd_delta_items(p),
+                    [p](int64_t item) { cpu::run_bwd_delta_item(p, item); });
+  cpu::parallel_for(pool, cpu::num_bwd_grad_items(p),
+                    [p](int64_t item) { cpu::run_bwd_grad_item(p, item); });
+  return ffi::Error::Success();
+}
 
 ffi::Error attention_bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key,
                              ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
@@ -15,15 +31,22 @@ ffi::Error attention_bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::An
                              ffi::Result<ffi::AnyBuffer> d_value,
                              ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale,
                              bool is_causal, float softcap) {
-  auto params = make_bwd_params(query, key, value, nonpad_kv_seqlen, out, lse, d_out, d_lse,
-                                *d_query, *d_key, *d_value, *delta, scale, is_causal, softcap);
-  if (!params) return params.error();
-  const BackwardParams p = *params;
-  cpu::parallel_for(pool, cpu::num_bwd_delta_items(p),
-                    [p](int64_t item) { cpu::run_bwd_delta_item(p, item); });
-  cpu::parallel_for(pool, cpu::num_bwd_grad_items(p),
-                    [p](int64_t item) { cpu::run_bwd_grad_item(p, item); });
-  return ffi::Error::Success();
+  auto fwd = make_params(query, key, value, nonpad_kv_seqlen, out, lse, scale, is_causal, softcap);
+  return run_bwd(pool, make_bwd_params(fwd, query, key, value, out, lse, d_out, d_lse, *d_query,
+                                       *d_key, *d_value, *delta));
+}
+
+ffi::Error packed_attention_bwd_cpu(
+    ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key, ffi::AnyBuffer value,
+    ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> cu_seqlens_k, ffi::AnyBuffer out,
+    ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> d_lse,
+    ffi::Result<ffi::AnyBuffer> d_query, ffi::Result<ffi::AnyBuffer> d_key,
+    ffi::Result<ffi::AnyBuffer> d_value, ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale,
+    bool is_causal, float softcap, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  auto fwd = make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, scale,
+                                is_causal, softcap, max_seqlen_q, max_seqlen_k);
+  return run_bwd(pool, make_bwd_params(fwd, query, key, value, out, lse, d_out, d_lse, *d_query,
+                                       *d_key, *d_value, *delta));
 }
 
 }  // namespace
@@ -48,3 +71,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("scale")                           // multiplies <q, k>
         .Attr<bool>("is_causal")                        // tail-aligned causal mask
         .Attr<float>("softcap"));                       // 0 = off
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_varlen_packed_attention_bwd_cpu, jax_varlen::packed_attention_bwd_cpu,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::ThreadPool>()                    // XLA's intra-op pool
+        .Arg<xla::ffi::AnyBuffer>()                     // query [N, Tq, H, D]: N packs
+        .Arg<xla::ffi::AnyBuffer>()                     // key [N, Tk, Hkv, D]
+        .Arg<xla::ffi::AnyBuffer>()                     // value [N, Tk, Hkv, Dv]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_q [N, B + 1]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_k [N, B + 1]
+        .Arg<xla::ffi::AnyBuffer>()                     // out [N, Tq, H, Dv]
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [N, H, Tq]
+        .Arg<xla::ffi::AnyBuffer>()                     // d_out [N, Tq, H, Dv], out's dtype
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // d_lse [N, H, Tq]
+        .Ret<xla::ffi::AnyBuffer>()                     // d_query [N, Tq, H, D]
+        .Ret<xla::ffi::AnyBuffer>()                     // d_key [N, Tk, Hkv, D]
+        .Ret<xla::ffi::AnyBuffer>()                     // d_value [N, Tk, Hkv, Dv]
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [N, H, Tq], workspace
+        .Attr<float>("scale")                           // multiplies <q, k>
+        .Attr<bool>("is_causal")                        // tail-aligned per sequence
+        .Attr<float>("softcap")                         // 0 = off
+        .Attr<int64_t>("max_seqlen_q")                  // longest query run: the items' rows
+        .Attr<int64_t>("max_seqlen_k"));                // longest key run

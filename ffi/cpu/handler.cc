@@ -1,23 +1,44 @@
-// XLA FFI handler of the CPU forward: validate, fill AttentionParams, and run the work items
-// on XLA's intra-op thread pool (the calling thread works too).
+// XLA FFI handlers of the CPU forward, padded and packed: validate, fill AttentionParams, and
+// run the work items on XLA's intra-op thread pool (the calling thread works too).
 #include "cpu/attention_cpu.h"
+#include "cpu/packed_fill.h"
 #include "cpu/parallel.h"
 #include "handler_common.h"
 
 namespace jax_varlen {
 namespace {
 
+ffi::Error run_fwd(ffi::ThreadPool& pool, const ffi::ErrorOr<AttentionParams>& params) {
+  if (!params) return params.error();
+  const AttentionParams p = *params;
+  // Packed: the rows no sequence owns first (the items never write them).
+  if (p.cu_seqlens_q != nullptr)
+    cpu::parallel_for(pool, cpu::num_fwd_fill_items(p),
+                      [p](int64_t item) { cpu::run_fwd_fill_item(p, item); });
+  cpu::parallel_for(pool, cpu::num_work_items(p),
+                    [p](int64_t item) { cpu::run_work_item(p, item); });
+  return ffi::Error::Success();
+}
+
 ffi::Error attention_fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key,
                              ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                              float scale, bool is_causal, float softcap) {
-  auto params = make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, scale, is_causal,
-                            softcap);
-  if (!params) return params.error();
-  const AttentionParams p = *params;
-  cpu::parallel_for(pool, cpu::num_work_items(p),
-                    [p](int64_t item) { cpu::run_work_item(p, item); });
-  return ffi::Error::Success();
+  return run_fwd(pool, make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, scale,
+                                   is_causal, softcap));
+}
+
+ffi::Error packed_attention_fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query,
+                                    ffi::AnyBuffer key, ffi::AnyBuffer value,
+                                    ffi::Buffer<ffi::S32> cu_seqlens_q,
+                                    ffi::Buffer<ffi::S32> cu_seqlens_k,
+                                    ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
+                                    bool is_causal, float softcap, int64_t max_seqlen_q,
+                                    int64_t max_seqlen_k) {
+  return run_fwd(pool, make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, *out,
+                                          *lse, scale, is_causal, softcap, max_seqlen_q,
+                                          max_seqlen_k));
 }
 
 }  // namespace
@@ -36,3 +57,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("scale")                           // multiplies <q, k>
         .Attr<bool>("is_causal")                        // tail-aligned causal mask
         .Attr<float>("softcap"));                       // 0 = off
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_varlen_packed_attention_fwd_cpu, jax_varlen::packed_attention_fwd_cpu,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::ThreadPool>()                    // XLA's intra-op pool
+        .Arg<xla::ffi::AnyBuffer>()                     // query [N, Tq, H, D]: N packs
+        .Arg<xla::ffi::AnyBuffer>()                     // key [N, Tk, Hkv, D]
+        .Arg<xla::ffi::AnyBuffer>()                     // value [N, Tk, Hkv, Dv]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_q [N, B + 1]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_k [N, B + 1]
+        .Ret<xla::ffi::AnyBuffer>()                     // out [N, Tq, H, Dv]
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [N, H, Tq]
+        .Attr<float>("scale")                           // multiplies <q, k>
+        .Attr<bool>("is_causal")                        // tail-aligned per sequence
+        .Attr<float>("softcap")                         // 0 = off
+        .Attr<int64_t>("max_seqlen_q")                  // longest query run: the items' rows
+        .Attr<int64_t>("max_seqlen_k"));                // longest key run

@@ -11,6 +11,8 @@
 //   sm80 one pass compute capability 8+  the same, no workspace                     sm80::run_fwd_tc
 //   portable      any                    everything else (float32 on an exact fp32  sm80::run_fwd_simt
 //                                        path, odd head sizes, unaligned buffers)
+// Packed calls (cu_seqlens set) run common/packed_fill.cuh first (the rows no sequence owns)
+// and never take an sm90 path (sm90_takes; the Hopper kernels read the padded layout only).
 // Backward (after common/bwd_preprocess.cuh, for every path):
 //   sm90          compute capability 9,  the sm80 tensor-core condition, sm90_takes,  sm90::run_bwd_sm90
 //                 built with sm_90a      a bucket up to kBwdSm90MaxHeadDim, Sq >= 1,
@@ -24,6 +26,7 @@
 #include <utility>
 
 #include "cuda/common/bwd_preprocess.cuh"
+#include "cuda/common/packed_fill.cuh"
 #include "cuda/launch.h"
 
 namespace jax_varlen::cuda {
@@ -143,7 +146,13 @@ int bucket(const AttentionParams& p) {
 
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   const FwdFn fn = choose_path(p, device_major())[int(p.dtype)][bucket(p)];
-  return fn != nullptr ? fn(p, stream) : cudaErrorInvalidValue;
+  if (fn == nullptr) return cudaErrorInvalidValue;
+  if (p.cu_seqlens_q != nullptr) {
+    const cudaError_t err = run_packed_fill(p, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (p.batch == 0 || p.seqlen_q == 0) return cudaSuccess;  // no sequence has a query row
+  return fn(p, stream);
 }
 
 #if defined(JAX_VARLEN_WITH_SM90)
@@ -174,6 +183,11 @@ cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream) {
   }
 #endif
   if (fn == nullptr) return cudaErrorInvalidValue;
+  if (p.cu_seqlens_q != nullptr) {
+    const cudaError_t err = run_packed_fill(bp, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (p.batch == 0) return cudaSuccess;  // no sequence
   if (p.seqlen_q * p.num_heads > 0) {  // delta; nothing to do without query rows
     const cudaError_t err = kBwdPreprocess[int(p.dtype)](args, stream);
     if (err != cudaSuccess) return err;

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(32 * kBwdSimtWarps) bwd_dkdv_simt_kernel(const
   const int64_t j = int64_t(blockIdx.x) * kBwdSimtWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const SeqlenInfo seq(p, blockIdx.z);
-  if (j >= p.seqlen_k) return;
+  if (j >= seq.k_rows) return;  // past the sequence's key rows (padded: Skv)
   const int64_t D = p.head_dim, Dv = p.head_dim_v, n = seq.seqlen_k, Sq = seq.seqlen_q;
   float kf[kBwdSimtPerLane], vf[kBwdSimtPerLane], dk[kBwdSimtPerLane], dv[kBwdSimtPerLane];
   const Elem* k = static_cast<const Elem*>(p.k) + seq.k_index(p, j, g);

@@ -144,7 +144,10 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   const int n = int(seq.seqlen_k);
   const int64_t Sq = seq.seqlen_q, rows = Sq * group;
   const int j0 = blockIdx.x * kBN;
-  const int j_end = j0 + kBN < p.seqlen_k ? j0 + kBN : int(p.seqlen_k);  // key rows this block writes
+  // Key rows this block writes: the sequence's own (padded: Skv, padding included); none for a
+  // block past them (a packed batch's grid covers the longest sequence).
+  const int j_end = j0 + kBN < seq.k_rows ? j0 + kBN : int(seq.k_rows);
+  if (j0 >= j_end) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned tid = threadIdx.x;
   Elem* d_k = static_cast<Elem*>(bp.d_k);
