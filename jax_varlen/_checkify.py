@@ -10,6 +10,8 @@ and only the report is lost.
 
 from __future__ import annotations
 
+import inspect
+
 import jax.numpy as jnp
 
 try:
@@ -25,19 +27,23 @@ def _register(primitive, checks) -> None:
     if _checkify is None or not hasattr(_checkify, "error_checks"):
         return
 
+    # assert_func is (error, pred, new_error) in jax 0.10-0.11.1; from 0.11.2 the rule's
+    # leading context comes first, as it does for the rule itself.
+    assert_takes_context = len(inspect.signature(_checkify.assert_func).parameters) > 3
+
     def rule(*args, **params):
         # The rule's leading arguments are (error, enabled_errors) in jax 0.10-0.11.1 and
         # (context, error, enabled_errors) from 0.11.2: find the error by type, update it, and
         # let checkify's default rule bind the primitive and return in that version's format.
         at = next(i for i, a in enumerate(args) if isinstance(a, _checkify.Error))
-        error, enabled_errors, operands = args[at], args[at + 1], args[at + 2:]
+        context, error, enabled_errors, operands = args[:at], args[at], args[at + 1], args[at + 2:]
         if _checkify.FailedCheckError in enabled_errors:
             for bad, message, *fmt_args in checks(*operands, **params):
                 error = _checkify.assert_func(
-                    error, bad,
+                    *(context if assert_takes_context else ()), error, bad,
                     _checkify.FailedCheckError(_checkify.get_traceback(), message, *fmt_args))
         return _checkify.default_checkify_rule(
-            primitive, *args[:at], error, enabled_errors, *operands, **params)
+            primitive, *context, error, enabled_errors, *operands, **params)
 
     _checkify.error_checks[primitive] = rule
 

@@ -38,6 +38,8 @@
 // land as zeros (TMA) and are masked out.
 #pragma once
 
+#include <cstdlib>
+
 #include "cuda/sm90/common.h"
 
 namespace jax_varlen::cuda::sm90 {
@@ -118,13 +120,13 @@ struct alignas(1024) BwdSharedStorage {
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> v;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSt>, 1024> d_s;
-  alignas(128) float d_q[2][Tr::kDqHalf];  // the dQ partial, one half per consumer warpgroup
+  alignas(128) float d_q[2][2][Tr::kDqHalf];  // dQ partials [buffer][consumer warpgroup half]
   float lse2[Tr::kStages][Tr::kBlockM];   // lse * log2 e of the step's rows, +inf past Sq
   float delta[Tr::kStages][Tr::kBlockM];  // delta of the step's rows, 0 past Sq
   uint64_t full_kv;                  // K and V landed
   uint64_t full[Tr::kStages];        // Q, dO, lse and delta of a step landed
   uint64_t empty[Tr::kStages];       // the consumers are done with the stage
-  uint64_t full_dq[2], empty_dq[2];  // consumer warpgroup w <-> dQ writer: the half d_q[w]
+  uint64_t full_dq[2][2], empty_dq[2][2];  // consumer warpgroup w <-> dQ writer: d_q[j][w]
 };
 
 template <typename Tr>
@@ -134,6 +136,8 @@ struct BwdKernelParams {
   BackwardParams bp;
   int num_m_blocks;  // ceil(seqlen_q / kBlockM)
   int num_n_blocks;  // ceil(seqlen_k / kBlockN)
+  int pair_major;    // EXPERIMENT: 1 = blockIdx.x = pair * num_n_blocks + (num_n_blocks - 1 - n)
+  int dq_buffers;    // EXPERIMENT: 1 or 2 dQ partial buffers
 };
 
 // The steps of one CTA: row blocks [m_lo, num_m_blocks) of each query head of the group, and
@@ -172,9 +176,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   {  // blockIdx.x = (num_n_blocks - 1 - n) * pairs + b * kv_num_heads + g: key blocks descending,
      // every (b, g) pair at one key block before the next block
     const int pairs = int(p.batch * p.kv_num_heads);
-    blk.n_block = int(kp.num_n_blocks) - 1 - int(blockIdx.x) / pairs;
-    blk.g = int(blockIdx.x) % pairs % int(p.kv_num_heads);
-    blk.b = int(blockIdx.x) % pairs / int(p.kv_num_heads);
+    const int pair = kp.pair_major ? int(blockIdx.x) / kp.num_n_blocks : int(blockIdx.x) % pairs;
+    blk.n_block = int(kp.num_n_blocks) - 1 -
+                  (kp.pair_major ? int(blockIdx.x) % kp.num_n_blocks : int(blockIdx.x) / pairs);
+    blk.g = pair % int(p.kv_num_heads);
+    blk.b = pair / int(p.kv_num_heads);
   }
   blk.n = int(clamp_seqlen(p.nonpad_kv_seqlen[blk.b], p.seqlen_k));
   const int key0 = blk.n_block * kBlockN;
@@ -206,10 +212,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       Barrier::init(&ss.empty[s], Tr::kConsumerWarps);
     }
 #pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      Barrier::init(&ss.full_dq[w], Tr::kConsumerWarps / 2);
-      Barrier::init(&ss.empty_dq[w], 1);
-    }
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        Barrier::init(&ss.full_dq[j][w], Tr::kConsumerWarps / 2);
+        Barrier::init(&ss.empty_dq[j][w], 1);
+      }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -224,9 +232,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 1) {  // the dQ writer
-      int phase_dq = 0;
+      int phase_dq = 0, step = 0;  // phase_dq: bit j = phase of buffer j
       for (int h = h0; h < h0 + group; ++h)
-        for (int m = blk.m_lo; m < kp.num_m_blocks; ++m) {
+        for (int m = blk.m_lo; m < kp.num_m_blocks; ++m, ++step) {
+          const int j = kp.dq_buffers == 2 ? step & 1 : 0;
+          const int ph = (phase_dq >> j) & 1;
           const int rank = blk.key_blocks_seen(p, m) - 1 - blk.n_block;  // >= 0
           const int64_t unit = (int64_t(blk.b) * p.num_heads + h) * kp.num_m_blocks + m;
           int* sem = bp.dq_semaphore + unit;
@@ -235,7 +245,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           // waits for the block ahead in the order.
 #pragma unroll
           for (int w = 0; w < 2; ++w) {
-            Barrier::wait(&ss.full_dq[w], phase_dq);
+            Barrier::wait(&ss.full_dq[j][w], ph);
             if (w == 0) {
               if (lane == 0 && rank > 0)
                 while (load_acquire(sem) < rank) {
@@ -244,7 +254,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
               asm volatile("fence.proxy.async.global;" ::: "memory");
             }
             if (lane == 0) {
-              const uint32_t src = cute::cast_smem_ptr_to_uint(ss.d_q[w]);
+              const uint32_t src = cute::cast_smem_ptr_to_uint(ss.d_q[j][w]);
               float* dst = acc + w * Tr::kDqHalf;
               if (rank == 0)
                 asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
@@ -257,16 +267,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           }
           if (lane == 0) {
             asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-            Barrier::arrive(&ss.empty_dq[0]);  // d_q[0] may be overwritten
+            Barrier::arrive(&ss.empty_dq[j][0]);  // d_q[j][0] may be overwritten
             asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-            Barrier::arrive(&ss.empty_dq[1]);
+            Barrier::arrive(&ss.empty_dq[j][1]);
             asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
             asm volatile("fence.proxy.async.global;" ::: "memory");
             __threadfence();
             atomicAdd(sem, 1);  // the partial landed: the next block in the order may add
           }
           __syncwarp();
-          phase_dq ^= 1;
+          phase_dq ^= 1 << j;
         }
       return;
     }
@@ -436,22 +446,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       warpgroup_wait<1>();  // dQ (dK in flight)
       warpgroup_fence_operand(tdQrdQ);
       // The dQ partial to this warpgroup's half, once the writer has read the previous one.
-      Barrier::wait(&ss.empty_dq[wg], phase_dq ^ 1);
+      const int jdq = kp.dq_buffers == 2 ? step & 1 : 0;
+      Barrier::wait(&ss.empty_dq[jdq][wg], ((phase_dq >> jdq) & 1) ^ 1);
       {
         constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
-        float* dst = ss.d_q[wg] + 4 * (ct % 128);
+        float* dst = ss.d_q[jdq][wg] + 4 * (ct % 128);
 #pragma unroll
         for (int i = 0; i < kQ; i += 4)
           *reinterpret_cast<float4*>(dst + i * 128) = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
       }
       cutlass::arch::fence_view_async_shared();
-      release(&ss.full_dq[wg]);
+      release(&ss.full_dq[jdq][wg]);
       warpgroup_wait<0>();  // dK
       warpgroup_fence_operand(tdKrdK);
       warpgroup_fence_operand(tdKrdS);  // its registers stay live until dK has read them
       release(&ss.empty[stage]);
       if (++stage == kStages) { stage = 0; phase ^= 1; }
-      phase_dq ^= 1;
+      phase_dq ^= 1 << jdq;
     }
   }
 
@@ -542,12 +553,18 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
                          make_tma_copy(SM90_TMA_LOAD{}, mK, LK{}, TileK{}, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mV, LK{}, TileK{}, _1{}),
                          bp, int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
-                         int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN)};
+                         int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN), 0, 1};
+  {  // EXPERIMENT: JAX_VARLEN_SM90_BWD=<pair_major><dq_buffers>, e.g. "12"
+    const char* e = std::getenv("JAX_VARLEN_SM90_BWD");
+    kp.pair_major = e && e[0] == '1';
+    kp.dq_buffers = e && e[0] && e[1] == '2' ? 2 : 1;
+  }
   const size_t sems = size_t(p.batch * p.num_heads * kp.num_m_blocks) * sizeof(int);
   cudaError_t err = cudaMemsetAsync(bp.dq_semaphore, 0, sems, stream);
   if (err != cudaSuccess) return err;
   auto kernel = p.softcap > 0.0f ? bwd_sm90_kernel<Tr, true> : bwd_sm90_kernel<Tr, false>;
   constexpr size_t kSmem = sizeof(BwdSharedStorage<Tr>);
+  static_assert(kSmem <= 232448, "the backward's shared memory exceeds sm_90's 227 KB");
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (err != cudaSuccess) return err;
   const dim3 grid(unsigned(kp.num_n_blocks * p.batch * p.kv_num_heads));
