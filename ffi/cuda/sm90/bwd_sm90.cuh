@@ -27,18 +27,17 @@
 // the counter: they only hand the halves over through shared memory. A last
 // kernel writes d_q = scale * dq_accum in the input dtype (zero rows where no block sees the
 // row block). The order depends only on the lengths, so d_q is bitwise deterministic. Every
-// wait is on a block of higher n, which has a lower blockIdx.x (x runs over key blocks in
-// reverse, the (b, g) pairs fastest) and so was dispatched earlier:
-// no deadlock whatever the residency. Under a causal mask block n's first row block comes
-// later the larger n is, so the blocks of one (b, g) reach a row block one after the other.
+// wait is on a block of higher n of the same (b, g), which has a lower blockIdx.x (a pair's key
+// blocks are side by side, in reverse) and so was dispatched earlier: no deadlock whatever the
+// residency. Co-resident blocks are mostly one pair's key blocks, so Q, dO and the dq_accum
+// tiles they add into are read from L2 (measured: 1.12x on d128-full against a grid with the
+// pairs fastest, benchmarks/NOTES.md); the cost is a short ripple along the order at the start.
 //
 // Padding: keys at or past n_b are never used -- their P and dS are selected to 0, their K rows
 // are zeroed in shared memory before dS K (0 * NaN would poison dQ), and their dK and dV rows
 // are written as zeros; key blocks wholly past n_b only write those zeros. Query rows past Sq
 // land as zeros (TMA) and are masked out.
 #pragma once
-
-#include <cstdlib>
 
 #include "cuda/sm90/common.h"
 
@@ -120,13 +119,13 @@ struct alignas(1024) BwdSharedStorage {
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> v;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSt>, 1024> d_s;
-  alignas(128) float d_q[2][2][Tr::kDqHalf];  // dQ partials [buffer][consumer warpgroup half]
+  alignas(128) float d_q[2][Tr::kDqHalf];  // the dQ partial, one half per consumer warpgroup
   float lse2[Tr::kStages][Tr::kBlockM];   // lse * log2 e of the step's rows, +inf past Sq
   float delta[Tr::kStages][Tr::kBlockM];  // delta of the step's rows, 0 past Sq
   uint64_t full_kv;                  // K and V landed
   uint64_t full[Tr::kStages];        // Q, dO, lse and delta of a step landed
   uint64_t empty[Tr::kStages];       // the consumers are done with the stage
-  uint64_t full_dq[2][2], empty_dq[2][2];  // consumer warpgroup w <-> dQ writer: d_q[j][w]
+  uint64_t full_dq[2], empty_dq[2];  // consumer warpgroup w <-> dQ writer: the half d_q[w]
 };
 
 template <typename Tr>
@@ -136,8 +135,6 @@ struct BwdKernelParams {
   BackwardParams bp;
   int num_m_blocks;  // ceil(seqlen_q / kBlockM)
   int num_n_blocks;  // ceil(seqlen_k / kBlockN)
-  int pair_major;    // EXPERIMENT: 1 = blockIdx.x = pair * num_n_blocks + (num_n_blocks - 1 - n)
-  int dq_buffers;    // EXPERIMENT: 1 or 2 dQ partial buffers
 };
 
 // The steps of one CTA: row blocks [m_lo, num_m_blocks) of each query head of the group, and
@@ -173,12 +170,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
   BwdBlock blk;
-  {  // blockIdx.x = (num_n_blocks - 1 - n) * pairs + b * kv_num_heads + g: key blocks descending,
-     // every (b, g) pair at one key block before the next block
-    const int pairs = int(p.batch * p.kv_num_heads);
-    const int pair = kp.pair_major ? int(blockIdx.x) / kp.num_n_blocks : int(blockIdx.x) % pairs;
-    blk.n_block = int(kp.num_n_blocks) - 1 -
-                  (kp.pair_major ? int(blockIdx.x) % kp.num_n_blocks : int(blockIdx.x) / pairs);
+  {  // blockIdx.x = (b * kv_num_heads + g) * num_n_blocks + num_n_blocks - 1 - n: the key blocks
+     // of one (b, g) pair side by side, descending, so that co-resident blocks share Q, dO and
+     // dq_accum tiles in L2
+    const int pair = int(blockIdx.x) / kp.num_n_blocks;
+    blk.n_block = kp.num_n_blocks - 1 - int(blockIdx.x) % kp.num_n_blocks;
     blk.g = pair % int(p.kv_num_heads);
     blk.b = pair / int(p.kv_num_heads);
   }
@@ -212,12 +208,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       Barrier::init(&ss.empty[s], Tr::kConsumerWarps);
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        Barrier::init(&ss.full_dq[j][w], Tr::kConsumerWarps / 2);
-        Barrier::init(&ss.empty_dq[j][w], 1);
-      }
+    for (int w = 0; w < 2; ++w) {
+      Barrier::init(&ss.full_dq[w], Tr::kConsumerWarps / 2);
+      Barrier::init(&ss.empty_dq[w], 1);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -232,11 +226,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 1) {  // the dQ writer
-      int phase_dq = 0, step = 0;  // phase_dq: bit j = phase of buffer j
+      int phase_dq = 0;
       for (int h = h0; h < h0 + group; ++h)
-        for (int m = blk.m_lo; m < kp.num_m_blocks; ++m, ++step) {
-          const int j = kp.dq_buffers == 2 ? step & 1 : 0;
-          const int ph = (phase_dq >> j) & 1;
+        for (int m = blk.m_lo; m < kp.num_m_blocks; ++m) {
           const int rank = blk.key_blocks_seen(p, m) - 1 - blk.n_block;  // >= 0
           const int64_t unit = (int64_t(blk.b) * p.num_heads + h) * kp.num_m_blocks + m;
           int* sem = bp.dq_semaphore + unit;
@@ -245,7 +237,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           // waits for the block ahead in the order.
 #pragma unroll
           for (int w = 0; w < 2; ++w) {
-            Barrier::wait(&ss.full_dq[j][w], ph);
+            Barrier::wait(&ss.full_dq[w], phase_dq);
             if (w == 0) {
               if (lane == 0 && rank > 0)
                 while (load_acquire(sem) < rank) {
@@ -254,7 +246,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
               asm volatile("fence.proxy.async.global;" ::: "memory");
             }
             if (lane == 0) {
-              const uint32_t src = cute::cast_smem_ptr_to_uint(ss.d_q[j][w]);
+              const uint32_t src = cute::cast_smem_ptr_to_uint(ss.d_q[w]);
               float* dst = acc + w * Tr::kDqHalf;
               if (rank == 0)
                 asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
@@ -267,16 +259,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           }
           if (lane == 0) {
             asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-            Barrier::arrive(&ss.empty_dq[j][0]);  // d_q[j][0] may be overwritten
+            Barrier::arrive(&ss.empty_dq[0]);  // d_q[0] may be overwritten
             asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-            Barrier::arrive(&ss.empty_dq[j][1]);
+            Barrier::arrive(&ss.empty_dq[1]);
             asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
             asm volatile("fence.proxy.async.global;" ::: "memory");
             __threadfence();
             atomicAdd(sem, 1);  // the partial landed: the next block in the order may add
           }
           __syncwarp();
-          phase_dq ^= 1 << j;
+          phase_dq ^= 1;
         }
       return;
     }
@@ -446,23 +438,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       warpgroup_wait<1>();  // dQ (dK in flight)
       warpgroup_fence_operand(tdQrdQ);
       // The dQ partial to this warpgroup's half, once the writer has read the previous one.
-      const int jdq = kp.dq_buffers == 2 ? step & 1 : 0;
-      Barrier::wait(&ss.empty_dq[jdq][wg], ((phase_dq >> jdq) & 1) ^ 1);
+      Barrier::wait(&ss.empty_dq[wg], phase_dq ^ 1);
       {
         constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
-        float* dst = ss.d_q[jdq][wg] + 4 * (ct % 128);
+        float* dst = ss.d_q[wg] + 4 * (ct % 128);
 #pragma unroll
         for (int i = 0; i < kQ; i += 4)
           *reinterpret_cast<float4*>(dst + i * 128) = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
       }
       cutlass::arch::fence_view_async_shared();
-      release(&ss.full_dq[jdq][wg]);
+      release(&ss.full_dq[wg]);
       warpgroup_wait<0>();  // dK
       warpgroup_fence_operand(tdKrdK);
       warpgroup_fence_operand(tdKrdS);  // its registers stay live until dK has read them
       release(&ss.empty[stage]);
       if (++stage == kStages) { stage = 0; phase ^= 1; }
-      phase_dq ^= 1 << jdq;
+      phase_dq ^= 1;
     }
   }
 
@@ -553,12 +544,7 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
                          make_tma_copy(SM90_TMA_LOAD{}, mK, LK{}, TileK{}, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mV, LK{}, TileK{}, _1{}),
                          bp, int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
-                         int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN), 0, 1};
-  {  // EXPERIMENT: JAX_VARLEN_SM90_BWD=<pair_major><dq_buffers>, e.g. "12"
-    const char* e = std::getenv("JAX_VARLEN_SM90_BWD");
-    kp.pair_major = e && e[0] == '1';
-    kp.dq_buffers = e && e[0] && e[1] == '2' ? 2 : 1;
-  }
+                         int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN)};
   const size_t sems = size_t(p.batch * p.num_heads * kp.num_m_blocks) * sizeof(int);
   cudaError_t err = cudaMemsetAsync(bp.dq_semaphore, 0, sems, stream);
   if (err != cudaSuccess) return err;
