@@ -1,7 +1,9 @@
 """Times jax_varlen.attention against jax.nn.dot_product_attention (cudnn, xla) and, when it is
 importable, FlashAttention-3's JAX binding (flash-attn3-jax, impl "fa3") on named shapes:
 the forward ("fwd"), and a training step ("train": forward + backward of sum(out * dO) through
-jax.vjp) with the backward alone ("bwd").
+jax.vjp) with the backward alone ("bwd"). The packed layout: jax_varlen.packed_attention
+("jax_varlen_packed") and FA3's flash_mha_varlen ("fa3_packed") on the same valid tokens with
+the padding dropped (class Packed).
 
 On a GPU machine:   python3 benchmarks/bench.py [--shapes d128-full,...] [--decode] [--quick]
                     python3 benchmarks/bench.py --passes train      # train + bwd records
@@ -35,13 +37,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PEERS = ("cudnn", "xla")
 FA3 = "fa3"  # flash-attn3-jax: flash_mha_varlen with seqused_k = our lengths (bottom-right causal)
+OURS_PACKED = "jax_varlen_packed"  # jax_varlen.packed_attention on the packed tokens
+FA3_PACKED = "fa3_packed"  # flash_mha_varlen on the packed tokens (no seqused_k)
+PACKED_IMPLS = (OURS_PACKED, FA3_PACKED)
 SMOKE_DIV = 32  # --cpu-smoke divides Sq, Skv and lengths by this and keeps B <= 2
 L2_BYTES = 50 << 20  # H200 L2; inputs below 4x this are rotated among 3 sets
 CHECK_SEQS = 2  # sequences compared against the fp32 reference
 # Training records (issue 12): these shapes, these impls (XLA's padded backward is not a peer).
 TRAIN_SHAPES = ("d128-full", "d128-skewed", "d128-causal-full", "d128-causal-skewed",
                 "d64-full", "d64-skewed")
-TRAIN_IMPLS = "jax_varlen,cudnn,fa3"
+TRAIN_IMPLS = "jax_varlen,cudnn,fa3,jax_varlen_packed,fa3_packed"
 EXTRA_DTYPES = "float16:d128-full,d128-skewed"  # forward only (issue 11)
 # (repeats, seconds per repeat): forward, forward --quick, train/bwd, train/bwd --quick
 TIMING = {"fwd": (7, 0.3), "fwd-quick": (3, 0.05), "train": (3, 0.2), "train-quick": (2, 0.05)}
@@ -55,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--decode", action="store_true", help="include decode shapes (Sq == 1)")
     p.add_argument("--passes", choices=("fwd", "train", "both"), default="fwd",
                    help="fwd: forward records; train: train + bwd records; both (default fwd)")
-    p.add_argument("--impls", default="jax_varlen,cudnn,fa3,xla", help="forward impls")
+    p.add_argument("--impls", default="jax_varlen,cudnn,fa3,xla,jax_varlen_packed,fa3_packed",
+                   help="forward impls")
     p.add_argument("--train-impls", default=TRAIN_IMPLS, help="train/bwd impls")
     p.add_argument("--train-shapes", default=",".join(TRAIN_SHAPES),
                    help="train/bwd shapes when --shapes is not given")
@@ -146,8 +152,46 @@ def make_dout(shape, dtype, seed, index):
     return jax.random.normal(key, (shape["B"], shape["Sq"], shape["H"], shape["Dv"]), dtype)
 
 
+class Packed:
+    """A named shape's valid tokens without the padding, for the packed impls: q [B * Sq, H, D]
+    (every query row of a named shape is real), k and v [sum(lengths), Hkv, D or Dv] (the valid
+    keys of each sequence, one after another), cu_seqlens_q = b * Sq, cu_seqlens_k = the
+    lengths' cumulative sum, and the static hints max_seqlen_q = Sq, max_seqlen_k = the longest
+    length. pack() runs before the timing; the unpack_* are for the checks only."""
+
+    def __init__(self, shape):
+        import numpy as np
+        self.b, self.sq, self.skv = shape["B"], shape["Sq"], shape["Skv"]
+        lens = [min(max(int(n), 0), self.skv) for n in shape["lengths"]]
+        self.keys = jnp.asarray(np.concatenate(  # rows of the flattened [B * Skv] key axis
+            [b * self.skv + np.arange(n) for b, n in enumerate(lens)]).astype(np.int32))
+        self.cu_q = jnp.arange(self.b + 1, dtype=jnp.int32) * self.sq
+        self.cu_k = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+        self.hints = {"max_seqlen_q": self.sq, "max_seqlen_k": max(max(lens), 1)}
+
+    def pack(self, q, k, v, lengths, *douts):
+        """(q, k, v, lengths[, dO]) padded -> (q, k, v, cu_seqlens_q, cu_seqlens_k[, dO]) packed."""
+        del lengths  # in cu_seqlens_k
+        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+        return jax.block_until_ready((flat(q), flat(k)[self.keys], flat(v)[self.keys], self.cu_q,
+                                      self.cu_k, *(flat(d) for d in douts)))
+
+    def unpack_out(self, out):
+        return out.reshape(self.b, self.sq, *out.shape[1:])
+
+    def unpack_grads(self, grads):
+        """(dq, dk, dv) packed -> padded, zeros for the padded keys."""
+        d_q, d_k, d_v = grads
+
+        def keys(g):
+            full = jnp.zeros((self.b * self.skv, *g.shape[1:]), g.dtype).at[self.keys].set(g)
+            return full.reshape(self.b, self.skv, *g.shape[1:])
+        return self.unpack_out(d_q), keys(d_k), keys(d_v)
+
+
 # ---------------------------------------------------------------------------------------------
-# Implementations: name -> (fn(q, k, v, lengths, *, scale, is_causal), causal mask alignment)
+# Implementations: name -> (fn(q, k, v, lengths, *, scale, is_causal), causal mask alignment);
+# the packed ones take Packed.pack()'s (q, k, v, cu_seqlens_q, cu_seqlens_k) and its hints.
 
 def import_jax_varlen():
     """Returns (module, None) or (None, error string); a source tree is tried as a fallback."""
@@ -199,7 +243,8 @@ def fa3_default_splits(batch, heads, skv, sms=132):
 
 
 def fa3_fn():
-    """FlashAttention-3 on our padded layout, or (None, error) without it. Sq > 1: the varlen
+    """FlashAttention-3 on our padded layout and on the packed one ((padded, packed) fns), or
+    (None, error) without it. Padded, Sq > 1: the varlen
     forward, the rectangle flattened to [B*S, heads, dim] with cu_seqlens = b * S and
     seqused_k = lengths, which is the same computation (its causal mask is bottom-right, like
     ours) and has a backward (a custom_vjp). Sq == 1: the KV-cache kernel with cache_seqlens =
@@ -226,7 +271,12 @@ def fa3_fn():
                                max_seqlen_q=sq, max_seqlen_k=skv, softmax_scale=scale,
                                is_causal=is_causal)
         return out.reshape(b, sq, h, dv)
-    return fn, None
+
+    def packed(q, k, v, cu_q, cu_k, *, scale, is_causal, max_seqlen_q, max_seqlen_k):
+        return flash_mha_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q,
+                                max_seqlen_k=max_seqlen_k, softmax_scale=scale,
+                                is_causal=is_causal)
+    return (fn, packed), None
 
 
 def build_impls(names, jax_varlen, import_errors):
@@ -238,19 +288,25 @@ def build_impls(names, jax_varlen, import_errors):
             if jax_varlen is not None:
                 impls[name] = (lambda q, k, v, n, *, scale, is_causal: jax_varlen.attention(
                     q, k, v, n, scale=scale, is_causal=is_causal), metrics.TAIL)
-        elif name == FA3:
-            fn, err = fa3_fn()
-            if fn is None:
+        elif name == OURS_PACKED:
+            if jax_varlen is not None:
+                impls[name] = (jax_varlen.packed_attention, metrics.TAIL)
+            else:
+                import_errors[name] = import_errors.get(report.OURS, "jax_varlen not imported")
+        elif name in (FA3, FA3_PACKED):
+            fns, err = fa3_fn()
+            if fns is None:
                 import_errors[name] = err
             else:
-                impls[name] = (fn, metrics.TAIL)
+                impls[name] = (fns[name == FA3_PACKED], metrics.TAIL)
         elif name in PEERS:
             impls[name] = (lambda q, k, v, n, *, scale, is_causal, impl=name:
                            jax.nn.dot_product_attention(
                                q, k, v, key_value_seq_lengths=n, scale=scale,
                                is_causal=is_causal, implementation=impl), metrics.TOP_LEFT)
         else:
-            sys.exit(f"unknown impl {name!r}; known: {report.OURS}, {FA3}, {', '.join(PEERS)}")
+            sys.exit(f"unknown impl {name!r}; known: {report.OURS}, {FA3}, {', '.join(PEERS)}, "
+                     f"{', '.join(PACKED_IMPLS)}")
     return impls
 
 
@@ -365,21 +421,25 @@ def run_fwd(name, shape, dtype, impls, import_errors, args, base_record, clock):
             records.append(rec)
             print(progress_line(rec), flush=True)
             continue
+        packing = Packed(shape) if impl in PACKED_IMPLS else None
+        impl_sets = [packing.pack(*s) for s in sets] if packing else sets
+        hints = packing.hints if packing else {}
+        unpack = packing.unpack_out if packing else (lambda out: out)
         variants = {None: fn}
         if impl == FA3 and decode:  # the brief's FA3 decode numbers: best num_splits
             variants = {int(s): functools.partial(fn, num_splits=int(s))
                         for s in args.fa3_splits.split(",")}
         timed = {}
         for key, vfn in variants.items():
-            jitted = jax.jit(lambda q, k, v, n, fn=vfn: fn(q, k, v, n, scale=scale,
-                                                           is_causal=shape["causal"]))
+            jitted = jax.jit(lambda *args, fn=vfn: fn(*args, scale=scale,
+                                                      is_causal=shape["causal"], **hints))
             try:
-                out = jax.block_until_ready(jitted(*sets[0]))
+                out = unpack(jax.block_until_ready(jitted(*impl_sets[0])))
                 if ref is not None:
                     rec.update(check(out, *ref, shape["lengths"], shape["Sq"], align,
                                      shape["causal"]))
                 del out
-                timed[key] = time_ms(jitted, sets, repeats, target_s)
+                timed[key] = time_ms(jitted, impl_sets, repeats, target_s)
             except Exception as e:  # noqa: BLE001 - e.g. cudnn rejecting a shape; keep going
                 timed[key] = None
                 rec["error"] = error_string(e)
@@ -396,6 +456,7 @@ def run_fwd(name, shape, dtype, impls, import_errors, args, base_record, clock):
                        eff_tbps=nbytes / (ms * 1e-3) / 1e12)
         records.append(rec)
         print(progress_line(rec), flush=True)
+        del impl_sets
     return records
 
 
@@ -440,23 +501,30 @@ def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock
                                       **{"pass": p}))
             print(progress_line(records[-1]), flush=True)
     for impl, (fn, align) in impls.items():
-        fwd = jax.jit(lambda q, k, v, n, fn=fn: fn(q, k, v, n, scale=scale, is_causal=causal))
+        # An input set is (q, k, v, *aux, dO): aux = (lengths,), or packed (cu_seqlens_q,
+        # cu_seqlens_k) with the gradients unpacked for the check.
+        packing = Packed(shape) if impl in PACKED_IMPLS else None
+        impl_sets = [packing.pack(*s) for s in sets] if packing else sets
+        hints = packing.hints if packing else {}
+        unpack = packing.unpack_grads if packing else (lambda grads: grads)
+        fwd = jax.jit(lambda *args, fn=fn: fn(*args, scale=scale, is_causal=causal, **hints))
 
-        def step(q, k, v, n, dout, fwd=fwd):
-            _, vjp_fn = jax.vjp(lambda q, k, v: fwd(q, k, v, n), q, k, v)
+        def step(q, k, v, *rest, fwd=fwd):
+            *aux, dout = rest
+            _, vjp_fn = jax.vjp(lambda q, k, v: fwd(q, k, v, *aux), q, k, v)
             return vjp_fn(dout)
         train = jax.jit(step)
 
         # One compiled forward returning the vjp function (a pytree: residual arrays plus a
         # structure holding the backward), so every input set's has the same structure.
-        make_vjp = jax.jit(lambda q, k, v, n, fwd=fwd:
-                           jax.vjp(lambda q, k, v: fwd(q, k, v, n), q, k, v)[1])
+        make_vjp = jax.jit(lambda q, k, v, *aux, fwd=fwd:
+                           jax.vjp(lambda q, k, v: fwd(q, k, v, *aux), q, k, v)[1])
 
-        def bwd_inputs(make_vjp=make_vjp):
+        def bwd_inputs(make_vjp=make_vjp, impl_sets=impl_sets):
             """backward_alone() of every input set: the forward runs here, outside the
             timing."""
-            vjp_fns = [make_vjp(q, k, v, n) for q, k, v, n, _ in sets]
-            return backward_alone(vjp_fns, [s[4] for s in sets])
+            vjp_fns = [make_vjp(*s[:-1]) for s in impl_sets]
+            return backward_alone(vjp_fns, [s[-1] for s in impl_sets])
 
         for p in passes:
             rec = new_record(base_record, name, impl, dtype=dtype.name, **{"pass": p})
@@ -464,8 +532,8 @@ def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock
                 rec["skipped"] = clock.skip_reason()
             else:
                 try:
-                    fn_p, sets_p = (train, sets) if p == "train" else bwd_inputs()
-                    grads = jax.block_until_ready(fn_p(*sets_p[0]))
+                    fn_p, sets_p = (train, impl_sets) if p == "train" else bwd_inputs()
+                    grads = unpack(jax.block_until_ready(fn_p(*sets_p[0])))
                     rec.update(check_grads(grads, ref_grads, has_key, shape["lengths"],
                                            shape["Sq"], align, causal))
                     del grads
@@ -534,6 +602,9 @@ def package_versions():
 def write_all(args, stem, records, meta, shapes):
     """JSON + markdown (summary first) and, unless --no-plot, the PNG."""
     meta["summary"] = report.summary_table(records, shapes)
+    packed = report.packed_table(records, shapes)
+    if packed:
+        meta["summary"] += "\n\nPacked layout (issue 13):\n\n" + packed
     table = report.markdown_table(records, shapes)
     paths = list(report.write_results(args.out, stem, records, meta, table))
     if not args.no_plot:
@@ -569,8 +640,10 @@ def main(argv=None):
                         if run_train_pass else [])
     names = list(dict.fromkeys(fwd_names + train_impl_names))
 
-    jax_varlen, import_error = (import_jax_varlen() if report.OURS in names else (None, None))
-    import_errors = {report.OURS: import_error} if import_error else {}
+    ours_wanted = report.OURS in names or OURS_PACKED in names
+    jax_varlen, import_error = import_jax_varlen() if ours_wanted else (None, None)
+    import_errors = ({n: import_error for n in (report.OURS, OURS_PACKED) if n in names}
+                     if import_error else {})
     impls = build_impls(names, jax_varlen, import_errors)
 
     def subset(wanted):
@@ -632,6 +705,10 @@ def main(argv=None):
     print(table)
     print("\nSummary (ours / best of cuDNN and FA3; targets: issue 11 forward, issue 12 train)\n")
     print(report.summary_table(records, shapes))
+    packed = report.packed_table(records, shapes)
+    if packed:
+        print("\nPacked layout (issue 13: packed / padded >= 0.97, packed / FA3 packed >= 1.05)\n")
+        print(packed)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import os
 import sys
 
 OURS = "jax_varlen"
+OURS_PACKED, FA3_PACKED = "jax_varlen_packed", "fa3_packed"  # the packed layout (issue 13)
 BEST_OF = ("cudnn", "fa3")  # the peers a target ratio is measured against
 SUMMARY_IMPLS = (OURS, "cudnn", "fa3", "xla")
 
@@ -25,6 +26,8 @@ RATIO_TARGETS = {
               "d128-skewed": 1.5, "d128-causal-skewed": 1.5, "d64-skewed": 1.5},
 }
 ABSOLUTE_TARGETS = {"fwd": {"d128-full": 640.0}}  # TFLOP/s
+# Issue 13, every shape, forward and train: packed within 3% of padded, >= 1.05x FA3's packed.
+PACKED_TARGETS = {"padded": 0.97, "fa3_packed": 1.05}
 TARGET_DTYPE = "bfloat16"
 
 
@@ -162,6 +165,34 @@ def summary_table(records, shapes=None):
     return "\n".join(lines)
 
 
+def packed_table(records, shapes=None):
+    """Markdown: per shape and pass with packed records, effective TFLOP/s of jax_varlen padded
+    and packed and FA3 padded and packed; packed / padded and packed / FA3 packed against
+    PACKED_TARGETS (bf16). '' when no record is packed."""
+    rows = [r for r in summary_rows(records, shapes) if OURS_PACKED in r["eff"]]
+    if not rows:
+        return ""
+    lines = ["| shape | dtype | pass | padded | packed | packed / padded | FA3 | FA3 packed "
+             "| packed / FA3 packed | met |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        eff = row["eff"]
+        ours = eff[OURS_PACKED]
+        vs_padded = ours / eff[OURS] if eff.get(OURS) else None
+        vs_fa3 = ours / eff[FA3_PACKED] if eff.get(FA3_PACKED) else None
+        met = ""
+        if row["dtype"] == TARGET_DTYPE and vs_padded is not None and vs_fa3 is not None:
+            ok = vs_padded >= PACKED_TARGETS["padded"] and vs_fa3 >= PACKED_TARGETS["fa3_packed"]
+            met = "yes" if ok else "no"
+        rate = lambda i: _fmt(eff.get(i), ".0f" if eff.get(i, 0) >= 10 else ".3g") or "-"  # noqa: E731
+        cells = [rate(OURS), rate(OURS_PACKED), _fmt(vs_padded, ".3f") or "-",
+                 rate("fa3"), rate(FA3_PACKED)]
+        cells.append(_fmt(vs_fa3, ".2f") or "-")
+        lines.append(f"| {row['shape']} | {_short_dtype(row['dtype'])} | {row['pass']} | "
+                     + " | ".join(cells) + f" | {met} |")
+    return "\n".join(lines)
+
+
 def sweep_table(records):
     """decode_sweep.py's records as one row per (B, Skv): effective TB/s per impl, then
     jax_varlen's rate over each peer's. Notes list skips, errors and failed checks."""
@@ -235,6 +266,10 @@ def main(paths):
               f"{versions}")
     print()
     print(summary_table(records, shapes or None))
+    packed = packed_table(records, shapes or None)
+    if packed:
+        print()
+        print(packed)
 
 
 if __name__ == "__main__":

@@ -81,15 +81,18 @@ for _p in (attention_bwd_p, packed_attention_bwd_p):
     batching.primitive_batchers[_p] = batch_rule(_p)
 
 
-def dq_workspace_shape(query_aval, value_aval):
-    """Float32 dQ workspace of the Hopper backward (layout: ffi/cuda/limits.h): per (sequence,
-    head, block of BWD_BLOCK_M rows) an fp32 partial sum of the block's dQ and a counter;
-    empty when the head sizes' bucket is past the kernel's."""
-    B, Sq, H, D = query_aval.shape
+def dq_workspace_shape(query_aval, value_aval, pack_seqs=1):
+    """Float32 dQ workspace of the Hopper backward (layout: ffi/cuda/limits.h): per (pack, head,
+    slot of BWD_BLOCK_M rows) an fp32 partial sum of a row block's dQ and a counter. A pack of
+    ``pack_seqs`` sequences over ``Tq`` rows has ceil(Tq / BWD_BLOCK_M) + pack_seqs - 1 slots
+    (each sequence's blocks in slots of their own; the padded batch: one sequence per pack).
+    Empty when the head sizes' bucket is past the kernel's, or a pack holds no sequence."""
+    N, Tq, H, D = query_aval.shape
     dim = next(b for b in HEAD_DIM_BUCKETS if max(D, value_aval.shape[3]) <= b)
-    if dim > BWD_SM90_MAX_HEAD_DIM:
+    if dim > BWD_SM90_MAX_HEAD_DIM or pack_seqs < 1:
         return (0,)
-    return (B * H * -(-Sq // BWD_BLOCK_M) * (BWD_BLOCK_M * dim + 1),)
+    slots = -(-Tq // BWD_BLOCK_M) + pack_seqs - 1
+    return (N * H * slots * (BWD_BLOCK_M * dim + 1),)
 
 
 def _with_workspaces(lower, workspaces_of=lambda ctx: ()):
@@ -149,8 +152,9 @@ _sharding.register(
     abstract_eval=_abstract_eval,
     lowerings={
         "cpu": _with_workspaces(lower_cpu(_ffi.PACKED_BWD_CPU_TARGET)),
-        # The Hopper backward never takes a packed call (ffi/cuda/dispatch.cu): no dQ workspace.
-        "cuda": _lower_cuda(_ffi.PACKED_BWD_CUDA_TARGET, lambda ctx: [(0,)]),
+        # cu_seqlens_q is [N, B + 1]: B sequences per pack.
+        "cuda": _lower_cuda(_ffi.PACKED_BWD_CUDA_TARGET, lambda ctx: [
+            dq_workspace_shape(ctx.avals_in[0], ctx.avals_in[2], ctx.avals_in[3].shape[1] - 1)]),
     },
     targets=(_ffi.PACKED_BWD_CPU_TARGET, _ffi.PACKED_BWD_CUDA_TARGET),
 )

@@ -1,10 +1,13 @@
-"""The Hopper (sm_90a) forward path: that it is the kernel that runs on a 9.x GPU, and the
-cases only a persistent, heaviest-first kernel has -- more work units than SMs, so each CTA
-walks several units of different sequences, and batches past the sorted limit.
+"""The Hopper (sm_90a) paths: that they are the kernels that run on a 9.x GPU, for the padded
+and the packed front door, forward and backward; the cases only a persistent, heaviest-first
+kernel has -- more work units than SMs, so each CTA walks several units of different
+sequences, and batches past the sorted limit; and the packed layout on shapes large enough for
+several row and key blocks per sequence, sequences that start mid-block, and the dQ workspace's
+per-sequence slots.
 
-The oracle matrix of test_forward.py (its gpu cases) runs on this path too (it is the default
-one-pass kernel on Hopper); these tests add what that matrix cannot reach with its small
-shapes.
+The oracle matrices of test_forward.py, test_backward.py and test_packed.py (their gpu cases)
+run on these paths too (they are the default kernels on Hopper); these tests add what those
+matrices cannot reach with their small shapes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 
 import jax_varlen
 from conftest import bits, check_against_oracle, make_inputs
+from test_packed import _padded_vjp, make_packed, packed_cotangents, packed_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -81,3 +85,78 @@ def test_long_units_bitwise_deterministic_and_batch_invariant():
     # Sequence 2 alone, in a batch of one: the same bits.
     alone = f(q[2:3], k[2:3], v[2:3], n[2:3])
     assert bits(alone) == bits(out[2:3])
+
+
+def test_packed_runs_the_hopper_kernels(tmp_path):
+    """A packed bf16 training step runs fwd_sm90_kernel and bwd_sm90_kernel, not the sm80 ones."""
+    _hopper()
+    q, k, v, cu_q, cu_k = make_packed([200, 77, 0, 129], [300, 77, 5, 64], H=4, Hkv=2, D=128,
+                                      Dv=128, dtype=jnp.bfloat16)
+    ct_out, ct_lse = packed_cotangents(q, v)
+    fn = lambda: jax.block_until_ready(  # noqa: E731
+        packed_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, is_causal=True))
+    trace = _profiled_kernel_names(fn, tmp_path)
+    assert b"fwd_sm90_kernel" in trace and b"bwd_sm90_kernel" in trace
+    assert b"fwd_tc_kernel" not in trace and b"bwd_dkdv_kernel" not in trace
+
+
+# Lengths (len_q, len_k) with several 64/128-row blocks, sequences starting mid-block, empty
+# ones, len_q != len_k both ways (tail-aligned causal), single rows and keys.
+PACKED_LARGE = ([300, 0, 129, 1, 64, 517, 250], [300, 7, 200, 130, 0, 517, 96])
+
+
+@pytest.mark.parametrize("hints", [False, True], ids=["bounds", "hints"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_packed_equals_padded_bitwise_large(head_dim, causal, hints):
+    """Packed (NaN in the unused tail) against each sequence alone through ``attention``: the
+    same bits in out, lse and every gradient; zero gradients for rows no query sees (empty
+    query runs) and for the tail."""
+    _hopper()
+    lens_q, lens_k = PACKED_LARGE
+    kw = dict(is_causal=causal, softcap=0.0 if causal else 5.0)
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, H=4, Hkv=2, D=head_dim, Dv=head_dim,
+                                      dtype=jnp.bfloat16, seed=head_dim + causal)
+    ct_out, ct_lse = packed_cotangents(q, v)
+    pkw = dict(kw, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k)) if hints else kw
+    out, lse = jax.jit(lambda *a: jax_varlen.packed_attention(*a, return_lse=True, **pkw))(
+        q, k, v, cu_q, cu_k)
+    d_q, d_k, d_v = packed_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, **pkw)
+    assert np.isfinite(np.asarray(d_q, np.float32)).all()
+    assert np.isfinite(np.asarray(d_k, np.float32)).all()
+    cq, ck = np.asarray(cu_q), np.asarray(cu_k)
+    for b in range(len(lens_q)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if lens_q[b] == 0:
+            assert not np.asarray(d_k[rk], np.float32).any() and not np.asarray(d_v[rk], np.float32).any()
+            continue
+        n = jnp.asarray([lens_k[b]], jnp.int32)
+        p_out, p_lse, (p_dq, p_dk, p_dv) = _padded_vjp(
+            q[rq][None], k[rk][None], v[rk][None], n, ct_out[rq][None], ct_lse[:, rq][None], **kw)
+        assert bits(out[rq]) == bits(p_out[0]), f"out of sequence {b}"
+        assert bits(lse[:, rq]) == bits(p_lse[0]), f"lse of sequence {b}"
+        assert bits(d_q[rq]) == bits(p_dq[0]), f"d_query of sequence {b}"
+        assert bits(d_k[rk]) == bits(p_dk[0]), f"d_key of sequence {b}"
+        assert bits(d_v[rk]) == bits(p_dv[0]), f"d_value of sequence {b}"
+    for g in (d_q[cq[-1]:], d_k[ck[-1]:], d_v[ck[-1]:], out[cq[-1]:]):
+        assert not np.asarray(g, np.float32).any()
+
+
+def test_packed_many_sequences_deterministic_and_batch_invariant():
+    """More sequences than the forward sorts in shared memory (400, lengths 0-100): gradients
+    bitwise equal across runs, and a sequence's bits do not depend on its pack-mates."""
+    _hopper()
+    rng = np.random.default_rng(5)
+    lens = [int(x) for x in rng.integers(0, 101, size=400)]
+    q, k, v, cu_q, cu_k = make_packed(lens, lens, H=2, Hkv=1, D=64, Dv=64, dtype=jnp.bfloat16)
+    ct_out, ct_lse = packed_cotangents(q, v)
+    kw = dict(is_causal=True, max_seqlen_q=100, max_seqlen_k=100)
+    grads = packed_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, **kw)
+    assert [bits(g) for g in grads] == [bits(g) for g in packed_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, **kw)]
+    # Sequences 3 and 4 alone in a pack of two.
+    cq, ck = np.asarray(cu_q), np.asarray(cu_k)
+    rq, rk = slice(cq[3], cq[5]), slice(ck[3], ck[5])
+    sub_cu_q, sub_cu_k = cu_q[3:6] - cu_q[3], cu_k[3:6] - cu_k[3]
+    alone = packed_grads(q[rq], k[rk], v[rk], sub_cu_q, sub_cu_k, ct_out[rq], ct_lse[:, rq], **kw)
+    assert bits(alone[0]) == bits(grads[0][rq])
+    assert bits(alone[1]) == bits(grads[1][rk]) and bits(alone[2]) == bits(grads[2][rk])

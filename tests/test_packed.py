@@ -87,29 +87,14 @@ def _padded_vjp(q, k, v, n, ct_out, ct_lse, **kw):
 # Bitwise against the padded front door: one math path.
 
 
-def _not_one_path_on_hopper(request, backend, dtype, pattern):
-    """Known gap (issue 13): on a 9.x GPU padded f16/bf16 calls take the sm90 kernels while
-    packed calls still take the sm80 ones, so the bits differ in the last place; expected to
-    fail there (strictly: it reports when the sm90 packed path lands) and to pass everywhere
-    else. The decode pattern's one-row queries take the split-KV kernel on both fronts."""
-    if backend != "gpu" or jnp.dtype(dtype).itemsize != 2 or pattern == "decode":
-        return
-    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
-    if cc.startswith("9"):
-        request.node.add_marker(pytest.mark.xfail(
-            strict=True, reason="packed calls do not take the sm90 kernels yet (issue 13)"))
-
-
-
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_equals_padded_per_sequence_bitwise(request, backend, pattern, causal, dtype):
+def test_equals_padded_per_sequence_bitwise(backend, pattern, causal, dtype):
     """Each sequence, called alone through ``attention`` (B = 1, Sq = len_q, Skv = len_k), gives
     the very bits of its rows in the packed call: out, lse and the gradients (the cotangents'
     rows of that sequence)."""
     dtype = DTYPES[dtype]
-    _not_one_path_on_hopper(request, backend, dtype, pattern)
     lens_q, lens_k = PATTERNS[pattern]
     kw = dict(is_causal=causal, softcap=0.0 if causal else 3.0)
     q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, dtype=dtype)
@@ -131,10 +116,9 @@ def test_equals_padded_per_sequence_bitwise(request, backend, pattern, causal, d
         assert bits(d_v[rk]) == bits(p_dv[0]), f"d_value of sequence {b}"
 
 
-def test_equals_padded_batch_bitwise(request, backend):
+def test_equals_padded_batch_bitwise(backend):
     """Non-causal, the whole ragged batch padded at once (queries to the longest, keys to the
     longest with nonpad_kv_seqlen = len_k): the same bits in every real row."""
-    _not_one_path_on_hopper(request, backend, jnp.float16, "ragged")
     lens_q, lens_k = PATTERNS["ragged"]
     q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, dtype=jnp.float16)
     out, lse = jax_varlen.packed_attention(q, k, v, cu_q, cu_k, return_lse=True)

@@ -11,8 +11,8 @@
 //   sm80 one pass compute capability 8+  the same, no workspace                     sm80::run_fwd_tc
 //   portable      any                    everything else (float32 on an exact fp32  sm80::run_fwd_simt
 //                                        path, odd head sizes, unaligned buffers)
-// Packed calls (cu_seqlens set) run common/packed_fill.cuh first (the rows no sequence owns)
-// and never take an sm90 path (sm90_takes; the Hopper kernels read the padded layout only).
+// Packed calls (cu_seqlens set) run common/packed_fill.cuh first (the rows no sequence owns),
+// then the same kernels as padded ones (every kernel reads sequences through SeqlenInfo).
 // Backward (after common/bwd_preprocess.cuh, for every path):
 //   sm90          compute capability 9,  the sm80 tensor-core condition, sm90_takes,  sm90::run_bwd_sm90
 //                 built with sm_90a      a bucket up to kBwdSm90MaxHeadDim, Sq >= 1,
@@ -72,11 +72,11 @@ constexpr PathKernels kSm80OnePass = tensor_core_path(
 constexpr PathKernels kSm90OnePass = tensor_core_path(
     [](auto elem, auto dim) { return &sm90::run_fwd_sm90<typename decltype(elem)::type, decltype(dim)::value>; });
 
-// The Hopper kernel takes the call: the padded layout (cu_seqlens come with the packed front
-// door), at least one key row (Skv = 0 is all zero rows, left to the sm80 kernel), every stride
-// a multiple of 16 bytes (TMA), and extents and unit counts within its 32-bit coordinates.
+// The Hopper kernels take the call: at least one key row (Skv = 0 is all zero rows, left to
+// the sm80 kernel; packed: max_seqlen_k >= 1, so a pack has a key row too), every stride a
+// multiple of 16 bytes (TMA), and extents and unit counts within their 32-bit coordinates.
 bool sm90_takes(const AttentionParams& p) {
-  if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqlen_k == 0) return false;
+  if (p.seqlen_k == 0) return false;
   const int64_t strides[] = {p.q_batch_stride,   p.q_row_stride,   p.q_head_stride,
                              p.k_batch_stride,   p.k_row_stride,   p.k_head_stride,
                              p.v_batch_stride,   p.v_row_stride,   p.v_head_stride,
@@ -84,7 +84,7 @@ bool sm90_takes(const AttentionParams& p) {
   for (int64_t s : strides)
     if (s < 0 || s % 8 != 0) return false;  // 8 elements of 2 bytes
   const int64_t m_blocks = (p.seqlen_q + sm90::kBlockM - 1) / sm90::kBlockM;
-  return p.seqlen_q <= INT32_MAX && p.seqlen_k <= INT32_MAX &&
+  return p.pack_rows_q <= INT32_MAX && p.pack_rows_k <= INT32_MAX && p.num_packs <= INT32_MAX &&
          p.batch * p.num_heads * m_blocks <= INT32_MAX;
 }
 
@@ -160,8 +160,7 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
 static int64_t bwd_sm90_workspace_elements(const AttentionParams& p) {
   const int dim = kHeadDimBuckets[bucket(p)];
   if (dim > kBwdSm90MaxHeadDim) return 0;
-  const int64_t m_blocks = (p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM;
-  return p.batch * p.num_heads * m_blocks * (int64_t(kBwdBlockM) * dim + 1);
+  return p.num_packs * p.num_heads * bwd_dq_slots(p.pack_rows_q, p.pack_seqs) * (int64_t(kBwdBlockM) * dim + 1);
 }
 #endif
 
@@ -178,7 +177,7 @@ cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream) {
   if (tc && major == 9 && sm90_takes(p) && p.seqlen_q > 0 && need > 0 && bp.dq_elements >= need &&
       aligned16(bp.dq_accum) && n_blocks * p.batch * p.kv_num_heads <= INT32_MAX) {
     fn = kBwdSm90[int(p.dtype)][bucket(p)];
-    const int64_t sems = p.batch * p.num_heads * ((p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM);
+    const int64_t sems = p.num_packs * p.num_heads * bwd_dq_slots(p.pack_rows_q, p.pack_seqs);
     args.dq_semaphore = reinterpret_cast<int32_t*>(bp.dq_accum + (need - sems));
   }
 #endif

@@ -37,6 +37,14 @@
 // are zeroed in shared memory before dS K (0 * NaN would poison dQ), and their dK and dV rows
 // are written as zeros; key blocks wholly past n_b only write those zeros. Query rows past Sq
 // land as zeros (TMA) and are masked out.
+//
+// Both layouts (params.h): TMA sees (rows of a pack, dim, heads, packs), and a sequence's tiles
+// start at its first row in the pack (SeqlenInfo). Packed, the rows past a sequence's end are
+// the next sequence's (or the unowned tail, which may hold NaN): keys there are treated as
+// padding (never written: the sequence owns no key row past its length), and query rows there
+// are zeroed in shared memory before the step's products (0 * NaN would poison dK and dV).
+// dq_accum holds a sequence's row blocks from slot (q_start + s * kBlockM) / kBlockM of its
+// (pack, head) on (s: its index in the pack), so no two sequences share a slot (limits.h).
 #pragma once
 
 #include "cuda/sm90/common.h"
@@ -135,18 +143,44 @@ struct BwdKernelParams {
   BackwardParams bp;
   int num_m_blocks;  // ceil(seqlen_q / kBlockM)
   int num_n_blocks;  // ceil(seqlen_k / kBlockN)
+  int num_slots;     // row-block slots of one (pack, head) in dq_accum (limits.h)
 };
 
-// The steps of one CTA: row blocks [m_lo, num_m_blocks) of each query head of the group, and
-// the number of key blocks that row block m sees (the dQ order's length).
+// Sequence b of the CTA: where it lies (SeqlenInfo, in 32-bit coordinates of its pack) and its
+// steps: row blocks [m_lo, m_end) of each query head of the group, and the number of key
+// blocks that row block m sees (the dQ order's length).
 struct BwdBlock {
   int b, g, n_block;
-  int n;     // valid keys of sequence b, clamped
-  int m_lo;  // first row block that sees a key of this block
+  int pack, q_start, k_start;  // the pack of b (b padded) and b's first query and key row in it
+  int len_q, k_rows;           // b's query rows, and the key rows it owns (padded: Skv)
+  int n;                       // valid keys of sequence b, clamped
+  int m_lo, m_end;             // first row block that sees a key of this block; ceil(len_q / M)
+  int slot0;                   // dq_accum slot of b's first row block
+
+  __device__ void locate(const AttentionParams& p, int b_) {
+    b = b_;
+    const SeqlenInfo seq(p, b);
+    pack = int(seq.pack);
+    q_start = int(seq.q_start);
+    k_start = int(seq.k_offset - seq.pack * p.pack_rows_k);
+    len_q = int(seq.seqlen_q);
+    k_rows = int(seq.k_rows);
+    n = int(seq.seqlen_k);
+    m_end = (len_q + kBwdBlockM - 1) / kBwdBlockM;
+    slot0 = int((seq.q_start + (b - seq.pack * p.pack_seqs) * kBwdBlockM) / kBwdBlockM);
+  }
   __device__ int key_blocks_seen(const AttentionParams& p, int m) const {
-    const int64_t last = int64_t(m) * kBwdBlockM + kBwdBlockM - 1;
-    const int64_t row = last < p.seqlen_q ? last : p.seqlen_q - 1;
-    return int((allowed_keys(row, n, p.seqlen_q, p.is_causal) + kBwdBlockN - 1) / kBwdBlockN);
+    const int last = m * kBwdBlockM + kBwdBlockM - 1;
+    const int row = last < len_q ? last : len_q - 1;
+    return int((allowed_keys(row, n, len_q, p.is_causal) + kBwdBlockN - 1) / kBwdBlockN);
+  }
+  // Element offset of (head h, row i of b) in lse and delta: [packs, heads, pack_rows_q].
+  __device__ int64_t lse_index(const AttentionParams& p, int h, int i) const {
+    return (int64_t(pack) * p.num_heads + h) * p.pack_rows_q + q_start + i;
+  }
+  // (pack, head h, slot of row block m): the tile and counter of dq_accum and dq_semaphore.
+  __device__ int64_t dq_unit(const AttentionParams& p, int num_slots, int h, int m) const {
+    return (int64_t(pack) * p.num_heads + h) * num_slots + slot0 + m;
   }
 };
 
@@ -157,6 +191,7 @@ __device__ __forceinline__ int load_acquire(const int* ptr) {
 }
 
 constexpr int kBwdPairBarrier = 1;  // both consumer warpgroups: K tail zeroed, dS^T written
+constexpr int kBwdOwnBarrier = 2;   // + w: consumer warpgroup w alone (Q and dO tails zeroed)
 
 template <typename Tr, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_constant__ BwdKernelParams<Tr> kp) {
@@ -176,20 +211,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     const int pair = int(blockIdx.x) / kp.num_n_blocks;
     blk.n_block = kp.num_n_blocks - 1 - int(blockIdx.x) % kp.num_n_blocks;
     blk.g = pair % int(p.kv_num_heads);
-    blk.b = pair / int(p.kv_num_heads);
+    blk.locate(p, pair / int(p.kv_num_heads));
   }
-  blk.n = int(clamp_seqlen(p.nonpad_kv_seqlen[blk.b], p.seqlen_k));
   const int key0 = blk.n_block * kBlockN;
-  {  // first row that sees key0: i + n - Sq >= key0 under the mask, every row otherwise
-    const int64_t i0 = p.is_causal ? int64_t(key0) - blk.n + p.seqlen_q : 0;
-    blk.m_lo = int((i0 > 0 ? i0 : 0) / kBlockM);
+  {  // first row that sees key0: i + n - len_q >= key0 under the mask, every row otherwise
+    const int i0 = p.is_causal ? key0 - blk.n + blk.len_q : 0;
+    blk.m_lo = (i0 > 0 ? i0 : 0) / kBlockM;
   }
   const int group = int(p.num_heads / p.kv_num_heads);
   const int h0 = blk.g * group;
-  Element* d_k = static_cast<Element*>(bp.d_k) + blk.b * p.k_batch_stride + blk.g * p.k_head_stride;
-  Element* d_v = static_cast<Element*>(bp.d_v) + blk.b * p.v_batch_stride + blk.g * p.v_head_stride;
-  if (key0 >= blk.n) {  // a block wholly past n_b: zero gradients for its rows of Skv
-    const int64_t rows = p.seqlen_k - key0 < kBlockN ? p.seqlen_k - key0 : kBlockN;
+  Element* d_k = static_cast<Element*>(bp.d_k) + int64_t(blk.pack) * p.k_batch_stride +
+                 int64_t(blk.k_start) * p.k_row_stride + blk.g * p.k_head_stride;
+  Element* d_v = static_cast<Element*>(bp.d_v) + int64_t(blk.pack) * p.v_batch_stride +
+                 int64_t(blk.k_start) * p.v_row_stride + blk.g * p.v_head_stride;
+  if (key0 >= blk.n) {  // a block wholly past n_b: zero gradients for its rows of Skv (none packed)
+    const int rows = blk.k_rows - key0 < kBlockN ? blk.k_rows - key0 : kBlockN;
     const int ck = int(p.head_dim / 8), cv = int(p.head_dim_v / 8);
     for (int idx = threadIdx.x; idx < rows * (ck + cv); idx += Tr::kThreads) {
       const int r = idx / (ck + cv), c = idx % (ck + cv);
@@ -228,9 +264,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     if (warp == 1) {  // the dQ writer
       int phase_dq = 0;
       for (int h = h0; h < h0 + group; ++h)
-        for (int m = blk.m_lo; m < kp.num_m_blocks; ++m) {
+        for (int m = blk.m_lo; m < blk.m_end; ++m) {
           const int rank = blk.key_blocks_seen(p, m) - 1 - blk.n_block;  // >= 0
-          const int64_t unit = (int64_t(blk.b) * p.num_heads + h) * kp.num_m_blocks + m;
+          const int64_t unit = blk.dq_unit(p, kp.num_slots, h, m);
           int* sem = bp.dq_semaphore + unit;
           float* acc = bp.dq_accum + unit * (kBlockM * kHeadDim);
           // The halves in warpgroup order, each once its warpgroup handed it over; the first
@@ -274,11 +310,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     }
     if (warp != 0) return;
     const bool leader = lane == 0;
-    const int sq = int(p.seqlen_q), sk = int(p.seqlen_k);
-    Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(sq, int(p.head_dim), int(p.num_heads), int(p.batch)));
-    Tensor mdO = kp.tma_d_out.get_tma_tensor(make_shape(sq, int(p.head_dim_v), int(p.num_heads), int(p.batch)));
-    Tensor mK = kp.tma_k.get_tma_tensor(make_shape(sk, int(p.head_dim), int(p.kv_num_heads), int(p.batch)));
-    Tensor mV = kp.tma_v.get_tma_tensor(make_shape(sk, int(p.head_dim_v), int(p.kv_num_heads), int(p.batch)));
+    const int rows_q = int(p.pack_rows_q), rows_k = int(p.pack_rows_k), packs = int(p.num_packs);
+    Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(rows_q, int(p.head_dim), int(p.num_heads), packs));
+    Tensor mdO = kp.tma_d_out.get_tma_tensor(make_shape(rows_q, int(p.head_dim_v), int(p.num_heads), packs));
+    Tensor mK = kp.tma_k.get_tma_tensor(make_shape(rows_k, int(p.head_dim), int(p.kv_num_heads), packs));
+    Tensor mV = kp.tma_v.get_tma_tensor(make_shape(rows_k, int(p.head_dim_v), int(p.kv_num_heads), packs));
+    auto at_q = [&](auto m) { return domain_offset(make_coord(blk.q_start, 0), m); };  // b's rows
+    auto at_k = [&](auto m) { return domain_offset(make_coord(blk.k_start, 0), m); };
     auto tma_q = kp.tma_q.get_slice(0);
     auto tma_do = kp.tma_d_out.get_slice(0);
     auto tma_k = kp.tma_k.get_slice(0);
@@ -286,31 +324,35 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
     if (leader) {
       TxBarrier::arrive_and_expect_tx(&ss.full_kv, 2 * Tr::kBytesKV);
-      copy(kp.tma_k.with(ss.full_kv), tma_k.partition_S(local_tile(mK(_, _, blk.g, blk.b), TileKV{}, make_coord(blk.n_block, 0))),
+      copy(kp.tma_k.with(ss.full_kv),
+           tma_k.partition_S(local_tile(at_k(mK(_, _, blk.g, blk.pack)), TileKV{}, make_coord(blk.n_block, 0))),
            tma_k.partition_D(sK(_, _, 0)));
-      copy(kp.tma_v.with(ss.full_kv), tma_v.partition_S(local_tile(mV(_, _, blk.g, blk.b), TileKV{}, make_coord(blk.n_block, 0))),
+      copy(kp.tma_v.with(ss.full_kv),
+           tma_v.partition_S(local_tile(at_k(mV(_, _, blk.g, blk.pack)), TileKV{}, make_coord(blk.n_block, 0))),
            tma_v.partition_D(sV(_, _, 0)));
     }
     using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
     const float kLog2e = 1.4426950408889634f;
     int stage = 0, phase = 0;
     for (int h = h0; h < h0 + group; ++h) {
-      const int64_t rows_h = (int64_t(blk.b) * p.num_heads + h) * p.seqlen_q;
-      for (int m = blk.m_lo; m < kp.num_m_blocks; ++m) {
+      const int64_t rows_h = blk.lse_index(p, h, 0);
+      for (int m = blk.m_lo; m < blk.m_end; ++m) {
         Barrier::wait(&ss.empty[stage], phase ^ 1);
 #pragma unroll
         for (int r = lane; r < kBlockM; r += 32) {
-          const int64_t row = int64_t(m) * kBlockM + r;
-          const bool real = row < p.seqlen_q;
+          const int row = m * kBlockM + r;
+          const bool real = row < blk.len_q;
           ss.lse2[stage][r] = real ? p.lse[rows_h + row] * kLog2e : INFINITY;
           ss.delta[stage][r] = real ? bp.delta[rows_h + row] : 0.0f;
         }
         __syncwarp();
         if (leader) {
           TxBarrier::arrive_and_expect_tx(&ss.full[stage], 2 * Tr::kBytesQ);
-          copy(kp.tma_q.with(ss.full[stage]), tma_q.partition_S(local_tile(mQ(_, _, h, blk.b), TileQ{}, make_coord(m, 0))),
+          copy(kp.tma_q.with(ss.full[stage]),
+               tma_q.partition_S(local_tile(at_q(mQ(_, _, h, blk.pack)), TileQ{}, make_coord(m, 0))),
                tma_q.partition_D(sQ(_, _, stage)));
-          copy(kp.tma_d_out.with(ss.full[stage]), tma_do.partition_S(local_tile(mdO(_, _, h, blk.b), TileQ{}, make_coord(m, 0))),
+          copy(kp.tma_d_out.with(ss.full[stage]),
+               tma_do.partition_S(local_tile(at_q(mdO(_, _, h, blk.pack)), TileQ{}, make_coord(m, 0))),
                tma_do.partition_D(sdO(_, _, stage)));
         }
         if (++stage == kStages) { stage = 0; phase ^= 1; }
@@ -368,20 +410,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     named_sync(kBwdPairBarrier, Tr::kConsumerThreads);
   }
 
+  // Packed: Q and dO rows [rows, kBlockM) of stage s hold another sequence's rows (or NaN of the
+  // unowned tail): zeros before the products. Both warpgroups write the same zeros (so neither
+  // waits for the other), then each fences its writes for wgmma and syncs its own 128 threads.
+  const bool packed = p.cu_seqlens_q != nullptr;
+  auto zero_q_tail = [&](int s, int rows) {
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of one row
+    for (int idx = ct % 128; idx < (kBlockM - rows) * kChunks; idx += 128) {
+      const int r = rows + idx / kChunks, c = (idx % kChunks) * 8;
+      *reinterpret_cast<uint4*>(&sQ(r, c, s)) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(&sdO(r, c, s)) = make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();
+    named_sync(kBwdOwnBarrier + wg, 128);
+  };
+
   int stage = 0, phase = 0, step = 0;
   int phase_dq = 0;
   for (int h = h0; h < h0 + group; ++h) {
-    for (int m = blk.m_lo; m < kp.num_m_blocks; ++m, ++step) {
+    for (int m = blk.m_lo; m < blk.m_end; ++m, ++step) {
       const int row0 = m * kBlockM;
       const int buf = step & 1;
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Barrier::wait(&ss.full[stage], phase);
+      if (packed && row0 + kBlockM > blk.len_q) zero_q_tail(stage, blk.len_q - row0);
       wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
       wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
       // Masking: needed unless every row of the block is real and sees every key of this block.
-      const int first_limit = int(allowed_keys(row0, blk.n, p.seqlen_q, p.is_causal));
-      const bool masked = row0 + kBlockM > p.seqlen_q || key0 + kBlockN > first_limit;
+      const int first_limit = int(allowed_keys(row0, blk.n, blk.len_q, p.is_causal));
+      const bool masked = row0 + kBlockM > blk.len_q || key0 + kBlockN > first_limit;
       warpgroup_wait<1>();
       // P^T in place of S^T (with softcap, t = tanh(s / softcap) kept for dS).
       float tanh_t[kSoftcap ? kS : 1];
@@ -396,7 +454,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
         }
         float prob = ex2_approx(z - lse2);
         if (masked) {
-          const int limit = row < p.seqlen_q ? int(allowed_keys(row, blk.n, p.seqlen_q, p.is_causal)) : 0;
+          const int limit = row < blk.len_q ? int(allowed_keys(row, blk.n, blk.len_q, p.is_causal)) : 0;
           if (key0 + int(get<0>(cS(i))) >= limit) prob = 0.0f;
         }
         tSrS(i) = prob;
@@ -462,7 +520,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
 #pragma unroll
   for (int i = 0; i < kKV; i += 2) {
     const int key = key0 + int(get<0>(cKV(i))), c = int(get<1>(cKV(i)));
-    if (key >= p.seqlen_k) continue;
+    if (key >= blk.k_rows) continue;
     const bool real = key < blk.n;
     if (c < p.head_dim) {
       cutlass::Array<Element, 2> pair;
@@ -480,11 +538,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
 }
 
 // d_q [b, i, h, :D] = scale * dq_accum of (b, h, row block of i), zero where no key block sees
-// that row block. One CTA per (b, h, row block), its 256 threads laid out as the consumers:
+// that row block. One CTA per (b, h, row block < ceil(seqlen_q / kBlockM)), nothing to do past
+// the sequence's own row blocks; its 256 threads laid out as the consumers:
 // thread t reads the values it wrote in the main kernel (coalesced float4s in register order)
 // and finds their (row, column) through the same MMA partition.
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const __grid_constant__ BackwardParams bp, int num_m_blocks) {
+__global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const __grid_constant__ BackwardParams bp,
+                                                                          int num_m_blocks, int num_slots) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
   const AttentionParams& p = bp.fwd;
@@ -497,10 +557,13 @@ __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const
   Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int kQ = decltype(size(cQ))::value;
   BwdBlock blk{};
-  blk.n = int(clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k));
+  blk.locate(p, b);
+  if (m >= blk.m_end) return;
   const bool seen = blk.key_blocks_seen(p, m) > 0;
-  const float* src = bp.dq_accum + unit * (kBlockM * kHeadDim) + (ct / 128) * Tr::kDqHalf + 4 * (ct % 128);
-  Element* d_q = static_cast<Element*>(bp.d_q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const float* src = bp.dq_accum + blk.dq_unit(p, num_slots, h, m) * (kBlockM * kHeadDim) +
+                     (ct / 128) * Tr::kDqHalf + 4 * (ct % 128);
+  Element* d_q = static_cast<Element*>(bp.d_q) + int64_t(blk.pack) * p.q_batch_stride +
+                 int64_t(blk.q_start) * p.q_row_stride + h * p.q_head_stride;
 #pragma unroll
   for (int i = 0; i < kQ; i += 4) {
     const float4 v = seen ? __ldcs(reinterpret_cast<const float4*>(src + i * 128)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -509,7 +572,7 @@ __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const
     for (int j = 0; j < 4; j += 2) {  // values i + j and i + j + 1: adjacent columns of one row
       const int64_t row = int64_t(m) * kBlockM + int(get<0>(cQ(i + j)));
       const int c = int(get<1>(cQ(i + j)));
-      if (row >= p.seqlen_q || c >= p.head_dim) continue;
+      if (row >= blk.len_q || c >= p.head_dim) continue;
       cutlass::Array<Element, 2> pair;
       pair[0] = Element(vals[j] * p.scale);
       pair[1] = Element(vals[j + 1] * p.scale);
@@ -529,11 +592,14 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
                        make_shape(int(rows), int(dim), int(heads), int(batch)),
                        make_stride(row_stride, _1{}, head_stride, batch_stride));
   };
-  auto mQ = view(p.q, p.seqlen_q, p.head_dim, p.num_heads, p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto mdO = view(bp.d_out, p.seqlen_q, p.head_dim_v, p.num_heads, p.batch, p.out_row_stride, p.out_head_stride,
-                  p.out_batch_stride);
-  auto mK = view(p.k, p.seqlen_k, p.head_dim, p.kv_num_heads, p.batch, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto mV = view(p.v, p.seqlen_k, p.head_dim_v, p.kv_num_heads, p.batch, p.v_row_stride, p.v_head_stride,
+  // [packs, pack rows, heads, dim] (dispatch.cu, sm90_takes: pack rows >= 1, TMA strides).
+  auto mQ = view(p.q, p.pack_rows_q, p.head_dim, p.num_heads, p.num_packs, p.q_row_stride, p.q_head_stride,
+                 p.q_batch_stride);
+  auto mdO = view(bp.d_out, p.pack_rows_q, p.head_dim_v, p.num_heads, p.num_packs, p.out_row_stride,
+                  p.out_head_stride, p.out_batch_stride);
+  auto mK = view(p.k, p.pack_rows_k, p.head_dim, p.kv_num_heads, p.num_packs, p.k_row_stride, p.k_head_stride,
+                 p.k_batch_stride);
+  auto mV = view(p.v, p.pack_rows_k, p.head_dim_v, p.kv_num_heads, p.num_packs, p.v_row_stride, p.v_head_stride,
                  p.v_batch_stride);
   using LQ = decltype(take<0, 2>(typename Tr::SmemLayoutQ{}));
   using LK = decltype(take<0, 2>(typename Tr::SmemLayoutK{}));
@@ -544,8 +610,9 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
                          make_tma_copy(SM90_TMA_LOAD{}, mK, LK{}, TileK{}, _1{}),
                          make_tma_copy(SM90_TMA_LOAD{}, mV, LK{}, TileK{}, _1{}),
                          bp, int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
-                         int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN)};
-  const size_t sems = size_t(p.batch * p.num_heads * kp.num_m_blocks) * sizeof(int);
+                         int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN),
+                         int(bwd_dq_slots(p.pack_rows_q, p.pack_seqs))};
+  const size_t sems = size_t(p.num_packs * p.num_heads * kp.num_slots) * sizeof(int);
   cudaError_t err = cudaMemsetAsync(bp.dq_semaphore, 0, sems, stream);
   if (err != cudaSuccess) return err;
   auto kernel = p.softcap > 0.0f ? bwd_sm90_kernel<Tr, true> : bwd_sm90_kernel<Tr, false>;
@@ -558,7 +625,7 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t units = p.batch * p.num_heads * kp.num_m_blocks;
-  bwd_sm90_dq_kernel<Tr><<<unsigned(units), Tr::kConsumerThreads, 0, stream>>>(bp, kp.num_m_blocks);
+  bwd_sm90_dq_kernel<Tr><<<unsigned(units), Tr::kConsumerThreads, 0, stream>>>(bp, kp.num_m_blocks, kp.num_slots);
   return cudaGetLastError();
 }
 

@@ -18,10 +18,17 @@
 //
 // Work unit = (sequence b, query head h, block of kBlockM query rows). Units are ordered
 // heaviest-first -- sequences by their number of valid keys, descending, ties by index; within
-// a sequence the later row blocks first (they see the most keys under a causal mask) -- and
+// a sequence the later row blocks first (they see the most keys under a causal mask), its
+// empty slots last (a packed sequence with fewer than seqlen_q query rows) -- and
 // CTA c takes units c, 2G - 1 - c, 2G + c, ... (G = grid size, a snake over the sorted list).
 // The order depends only on the lengths; each unit is computed whole by one CTA, in the same
 // way wherever it runs, so results are bitwise deterministic and batch invariant.
+//
+// Both layouts (params.h): TMA sees the tensors as (rows of a pack, dim, heads, packs) and a
+// unit's tiles start at its sequence's first row in the pack (SeqlenInfo; 0 in the padded
+// batch, where each sequence is a pack). Tiles may reach past the sequence: query rows past its
+// length are computed and never stored, keys past it are masked and their V rows zeroed, as
+// for padding.
 #pragma once
 
 #include "cuda/sm90/common.h"
@@ -125,6 +132,11 @@ struct KernelParams {
 // One unit of work (see the top of the file) and the keys it needs.
 struct Unit {
   int b, h, m_block;
+  int pack;       // the pack of sequence b (b in the padded batch): TMA's fourth coordinate
+  int q_start;    // first query row and first key row of sequence b in its pack (0 padded)
+  int k_start;
+  int len_q;      // query rows of sequence b (seqlen_q in the padded batch)
+  int rows;       // query rows of the unit: 0 for an empty slot
   int n;          // valid keys of sequence b, clamped into [0, seqlen_k]
   int min_limit;  // allowed keys of the unit's first row; tiles below it need no mask
   int key_end;    // allowed keys of its last row: key tiles at or past it are never loaded
@@ -142,14 +154,31 @@ __device__ __forceinline__ Unit decode_unit(const KernelParams<Tr>& kp, const Sh
     w.n = ss.sorted_len[rank];
   } else {
     w.b = rank;
-    w.n = int(clamp_seqlen(p.nonpad_kv_seqlen[rank], p.seqlen_k));
+    w.n = int(SeqlenInfo(p, rank).seqlen_k);
   }
-  w.m_block = kp.num_m_blocks - 1 - rem / int(p.num_heads);
+  if (p.cu_seqlens_q != nullptr) {  // packed: the sequence's place in its pack
+    const SeqlenInfo seq(p, w.b);
+    w.pack = int(seq.pack);
+    w.q_start = int(seq.q_start);
+    w.k_start = int(seq.k_offset - seq.pack * p.pack_rows_k);
+    w.len_q = int(seq.seqlen_q);
+  } else {
+    w.pack = w.b;
+    w.q_start = w.k_start = 0;
+    w.len_q = int(p.seqlen_q);
+  }
+  // Row blocks from the sequence's last; slots past its first block are empty.
+  const int blocks = (w.len_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  w.m_block = blocks - 1 - rem / int(p.num_heads);
   w.h = rem % int(p.num_heads);
-  const int64_t row0 = int64_t(w.m_block) * Tr::kBlockM;
-  const int64_t row1 = row0 + Tr::kBlockM < p.seqlen_q ? row0 + Tr::kBlockM - 1 : p.seqlen_q - 1;
-  w.min_limit = int(allowed_keys(row0, w.n, p.seqlen_q, p.is_causal));
-  w.key_end = int(allowed_keys(row1, w.n, p.seqlen_q, p.is_causal));
+  if (w.m_block < 0) {
+    w.rows = w.min_limit = w.key_end = w.n_tiles = 0;
+    return w;
+  }
+  const int row0 = w.m_block * Tr::kBlockM;
+  w.rows = w.len_q - row0 < Tr::kBlockM ? w.len_q - row0 : Tr::kBlockM;
+  w.min_limit = int(allowed_keys(row0, w.n, w.len_q, p.is_causal));
+  w.key_end = int(allowed_keys(row0 + w.rows - 1, w.n, w.len_q, p.is_causal));
   w.n_tiles = (w.key_end + Tr::kBlockN - 1) / Tr::kBlockN;
   return w;
 }
@@ -169,7 +198,7 @@ __device__ void sort_sequences(const AttentionParams& p, SharedStorage<Tr>& ss) 
   if (batch > Tr::kMaxSortedBatch) return;
   constexpr int kPer = (Tr::kMaxSortedBatch + Tr::kThreads - 1) / Tr::kThreads;
   for (int b = threadIdx.x; b < batch; b += Tr::kThreads)
-    ss.sorted_len[b] = int(clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k));
+    ss.sorted_len[b] = int(SeqlenInfo(p, b).seqlen_k);
   __syncthreads();
   int rank[kPer], len[kPer];
 #pragma unroll
@@ -305,10 +334,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     const bool leader = lane == 0;
-    const int seqlen_k_tma = int(p.seqlen_k);  // >= 1 (dispatch.cu, sm90_takes)
-    Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(int(p.seqlen_q), int(p.head_dim), int(p.num_heads), int(p.batch)));
-    Tensor mK = kp.tma_k.get_tma_tensor(make_shape(seqlen_k_tma, int(p.head_dim), int(p.kv_num_heads), int(p.batch)));
-    Tensor mVt = kp.tma_v.get_tma_tensor(make_shape(int(p.head_dim_v), seqlen_k_tma, int(p.kv_num_heads), int(p.batch)));
+    const int rows_q = int(p.pack_rows_q), rows_k = int(p.pack_rows_k), packs = int(p.num_packs);
+    Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(rows_q, int(p.head_dim), int(p.num_heads), packs));
+    Tensor mK = kp.tma_k.get_tma_tensor(make_shape(rows_k, int(p.head_dim), int(p.kv_num_heads), packs));
+    Tensor mVt = kp.tma_v.get_tma_tensor(make_shape(int(p.head_dim_v), rows_k, int(p.kv_num_heads), packs));
     auto tma_q = kp.tma_q.get_slice(0);
     auto tma_k = kp.tma_k.get_slice(0);
     auto tma_v = kp.tma_v.get_slice(0);
@@ -322,11 +351,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       const int g = w.h / group;
       if constexpr (decltype(is_v)::value) {
         TxBarrier::arrive_and_expect_tx(&ss.full_v[s], Tr::kBytesKV);
-        Tensor gV = local_tile(mVt(_, _, g, w.b), Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, t));
+        Tensor gV = local_tile(domain_offset(make_coord(0, w.k_start), mVt(_, _, g, w.pack)),
+                               Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, t));
         copy(kp.tma_v.with(ss.full_v[s]), tma_v.partition_S(gV), tVsV(_, _, _, s));
       } else {
         TxBarrier::arrive_and_expect_tx(&ss.full_k[s], Tr::kBytesKV);
-        Tensor gK = local_tile(mK(_, _, g, w.b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t, 0));
+        Tensor gK = local_tile(domain_offset(make_coord(w.k_start, 0), mK(_, _, g, w.pack)),
+                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t, 0));
         copy(kp.tma_k.with(ss.full_k[s]), tma_k.partition_S(gK), tKsK(_, _, _, s));
       }
     };
@@ -342,7 +373,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       Barrier::wait(&ss.empty_q, (q_iter & 1) ^ 1);
       if (leader) {
         TxBarrier::arrive_and_expect_tx(&ss.full_q, Tr::kBytesQ);
-        Tensor gQ = local_tile(mQ(_, _, w.h, w.b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, 0));
+        Tensor gQ = local_tile(domain_offset(make_coord(w.q_start, 0), mQ(_, _, w.h, w.pack)),
+                               Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, 0));
         copy(kp.tma_q.with(ss.full_q), tma_q.partition_S(gQ), tQsQ);
       }
       ++q_iter;
@@ -410,27 +442,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     const int u = unit_of_round(r, kp.num_units);
     if (u < 0) break;
     const Unit w = decode_unit<Tr>(kp, ss, u);
-    const int64_t row_base = int64_t(w.m_block) * kBlockM;
+    const int64_t row_base = int64_t(w.m_block) * kBlockM;  // of the sequence
     // This thread's two rows (local rows get<0>(cS(0)) and + 8) and their allowed keys.
     int limit[2];
     int64_t row_of[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       row_of[rr] = row_base + get<0>(cS(2 * rr));
-      limit[rr] = row_of[rr] < p.seqlen_q ? int(allowed_keys(row_of[rr], w.n, p.seqlen_q, p.is_causal)) : 0;
+      limit[rr] = row_of[rr] < w.len_q ? int(allowed_keys(row_of[rr], w.n, w.len_q, p.is_causal)) : 0;
     }
-    Element* out_unit = out + w.b * p.out_batch_stride + w.h * p.out_head_stride;
+    // Row i of the sequence, head h: out row q_start + i of the pack; lse [packs, heads, pack_rows_q].
+    Element* out_unit = out + int64_t(w.pack) * p.out_batch_stride + int64_t(w.q_start) * p.out_row_stride +
+                        w.h * p.out_head_stride;
+    float* lse_unit = p.lse + (int64_t(w.pack) * p.num_heads + w.h) * p.pack_rows_q + w.q_start;
     auto out_row = [&](int rr) { return out_unit + row_of[rr] * p.out_row_stride; };
-    auto lse_at = [&](int rr) -> float& { return p.lse[(int64_t(w.b) * p.num_heads + w.h) * p.seqlen_q + row_of[rr]]; };
 
     if (w.n_tiles == 0) {  // no row of the unit sees a key: zero rows (16-byte stores), lse = -inf
-      const int rows = int(p.seqlen_q - row_base < kBlockM ? p.seqlen_q - row_base : kBlockM);
       const int chunks = int(p.head_dim_v / 8);
       Element* o = out_unit + row_base * p.out_row_stride;
-      for (int idx = ct; idx < rows * chunks; idx += Tr::kConsumerThreads)
+      for (int idx = ct; idx < w.rows * chunks; idx += Tr::kConsumerThreads)
         *reinterpret_cast<uint4*>(o + (idx / chunks) * p.out_row_stride + (idx % chunks) * 8) = make_uint4(0, 0, 0, 0);
-      for (int r = ct; r < rows; r += Tr::kConsumerThreads)
-        p.lse[(int64_t(w.b) * p.num_heads + w.h) * p.seqlen_q + row_base + r] = -INFINITY;
+      for (int r = ct; r < w.rows; r += Tr::kConsumerThreads) lse_unit[row_base + r] = -INFINITY;
       continue;
     }
 
@@ -541,7 +573,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       float sum = softmax.l[rr];
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      if (row_of[rr] >= p.seqlen_q) continue;
+      if (row_of[rr] >= w.len_q) continue;
       const bool any = limit[rr] > 0;
       const float inv = any ? 1.0f / sum : 0.0f;
       Element* o = out_row(rr);
@@ -556,7 +588,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
           *reinterpret_cast<cutlass::Array<Element, 2>*>(o + col) = pair;
         }
       }
-      if ((lane & 3) == 0) lse_at(rr) = any ? softmax.m[rr] * kLn2 + logf(sum) : -INFINITY;
+      if ((lane & 3) == 0) lse_unit[row_of[rr]] = any ? softmax.m[rr] * kLn2 + logf(sum) : -INFINITY;
     }
   }
 }
@@ -565,18 +597,17 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Element = typename CutlassElem<Elem>::type;
   using Tr = FwdTraits<Element, kHeadDim>;
-  const int seqlen_k_tma = int(p.seqlen_k);  // >= 1 (dispatch.cu, sm90_takes)
-  // [B, S, heads, dim] views from the params' element strides, which TMA can take
-  // (dispatch.cu, sm90_takes); V is read transposed, (dim, key).
+  // [packs, pack rows, heads, dim] views from the params' element strides, which TMA can take
+  // (dispatch.cu, sm90_takes); V is read transposed, (dim, key). Pack rows >= 1 (sm90_takes).
   auto q_stride = make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride);
   auto k_stride = make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride);
   auto v_stride = make_stride(_1{}, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)),
-                          make_shape(int(p.seqlen_q), int(p.head_dim), int(p.num_heads), int(p.batch)), q_stride);
+                          make_shape(int(p.pack_rows_q), int(p.head_dim), int(p.num_heads), int(p.num_packs)), q_stride);
   Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)),
-                          make_shape(seqlen_k_tma, int(p.head_dim), int(p.kv_num_heads), int(p.batch)), k_stride);
+                          make_shape(int(p.pack_rows_k), int(p.head_dim), int(p.kv_num_heads), int(p.num_packs)), k_stride);
   Tensor mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)),
-                           make_shape(int(p.head_dim_v), seqlen_k_tma, int(p.kv_num_heads), int(p.batch)), v_stride);
+                           make_shape(int(p.head_dim_v), int(p.pack_rows_k), int(p.kv_num_heads), int(p.num_packs)), v_stride);
   KernelParams<Tr> kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Tr::SmemLayoutQ{}, Shape<Int<Tr::kBlockM>, Int<kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Tr::SmemLayoutK{}), Shape<Int<Tr::kBlockN>, Int<kHeadDim>>{}, _1{}),
