@@ -21,6 +21,7 @@ import jax_varlen
 from jax_varlen import _export
 from conftest import DTYPES, EXPORT_PLATFORM, assert_lse_close, assert_out_close, bits
 from jax_varlen._autodiff import PACKED_FORWARD_MODE_MESSAGE, SECOND_ORDER_MESSAGE
+from jax_varlen._primitive import BWD_BLOCK_M, SPLIT_MAX_SEQLEN_Q
 
 GRAD_RTOL = {jnp.dtype(jnp.float32): 5e-5, jnp.dtype(jnp.float16): 4e-3,
              jnp.dtype(jnp.bfloat16): 3e-2}
@@ -77,10 +78,27 @@ def packed_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, **kw):
     return _packed_vjp(tuple(sorted(kw.items())))(q, k, v, cu_q, cu_k, ct_out, ct_lse)
 
 
-def _padded_vjp(q, k, v, n, ct_out, ct_lse, **kw):
+def padded_alone(q, k, v, cu_q, cu_k, ct_out, ct_lse, b, grid_q, **kw):
+    """Sequence b of a packed call alone through ``attention`` (B = 1, Skv = len_k): its out,
+    lse and gradients (the packed cotangents' rows of b), on the kernel path that the packed
+    call takes. A packed call whose query extent ``grid_q`` (max_seqlen_q, else Tq) is past
+    SPLIT_MAX_SEQLEN_Q runs the one-pass kernels for every sequence, while a padded call of
+    Sq <= SPLIT_MAX_SEQLEN_Q rows would take the split-KV one; so a short sequence gets
+    BWD_BLOCK_M leading query rows of zeros with zero cotangents. They change no bit of the
+    real rows: rows are independent in the forward, tail alignment counts from the last row,
+    the backward groups rows in blocks of BWD_BLOCK_M, and a block of zero cotangents adds
+    exact zeros to dK and dV."""
+    cq, ck = np.asarray(cu_q), np.asarray(cu_k)
+    rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+    len_q = cq[b + 1] - cq[b]
+    lead = BWD_BLOCK_M if grid_q > SPLIT_MAX_SEQLEN_Q >= len_q else 0
+    pad = lambda x, axis=0: jnp.concatenate(  # noqa: E731
+        [jnp.zeros(x.shape[:axis] + (lead,) + x.shape[axis + 1:], x.dtype), x], axis)
+    n = jnp.asarray([ck[b + 1] - ck[b]], jnp.int32)
     f = lambda q, k, v: jax_varlen.attention(q, k, v, n, return_lse=True, **kw)  # noqa: E731
-    (out, lse), pullback = jax.vjp(f, q, k, v)
-    return out, lse, pullback((ct_out, ct_lse))
+    (out, lse), pullback = jax.vjp(f, pad(q[rq])[None], k[rk][None], v[rk][None])
+    d_q, d_k, d_v = pullback((pad(ct_out[rq])[None], pad(ct_lse[:, rq], 1)[None]))
+    return out[0, lead:], lse[0, :, lead:], d_q[0, lead:], d_k[0], d_v[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,14 +124,13 @@ def test_equals_padded_per_sequence_bitwise(backend, pattern, causal, dtype):
         rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         if lens_q[b] == 0:
             continue
-        n = jnp.asarray([lens_k[b]], jnp.int32)
-        p_out, p_lse, (p_dq, p_dk, p_dv) = _padded_vjp(
-            q[rq][None], k[rk][None], v[rk][None], n, ct_out[rq][None], ct_lse[:, rq][None], **kw)
-        assert bits(out[rq]) == bits(p_out[0]), f"out of sequence {b}"
-        assert bits(lse[:, rq]) == bits(p_lse[0]), f"lse of sequence {b}"
-        assert bits(d_q[rq]) == bits(p_dq[0]), f"d_query of sequence {b}"
-        assert bits(d_k[rk]) == bits(p_dk[0]), f"d_key of sequence {b}"
-        assert bits(d_v[rk]) == bits(p_dv[0]), f"d_value of sequence {b}"
+        p_out, p_lse, p_dq, p_dk, p_dv = padded_alone(q, k, v, cu_q, cu_k, ct_out, ct_lse, b,
+                                                      q.shape[0], **kw)
+        assert bits(out[rq]) == bits(p_out), f"out of sequence {b}"
+        assert bits(lse[:, rq]) == bits(p_lse), f"lse of sequence {b}"
+        assert bits(d_q[rq]) == bits(p_dq), f"d_query of sequence {b}"
+        assert bits(d_k[rk]) == bits(p_dk), f"d_key of sequence {b}"
+        assert bits(d_v[rk]) == bits(p_dv), f"d_value of sequence {b}"
 
 
 def test_equals_padded_batch_bitwise(backend):
