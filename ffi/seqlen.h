@@ -33,7 +33,7 @@ struct SeqlenInfo {
       seqlen_k = clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k);
       return;
     }
-    pack = b / p.pack_seqs;
+    pack = p.num_packs == 1 ? 0 : b / p.pack_seqs;  // one pack (no vmap): no 64-bit division
     const int64_t at = b + pack;  // row `pack` of cu_seqlens [num_packs, pack_seqs + 1], entry b % pack_seqs
     q_start = clamp_seqlen(p.cu_seqlens_q[at], p.pack_rows_q);
     q_offset = pack * p.pack_rows_q + q_start;

@@ -1,7 +1,9 @@
 // The packed layout's rows that no sequence owns (seqlen.h, row_owned: rows past a pack's last
 // offset, or cut off by a clamped length): the kernels never write them, so dispatch.cu runs
-// these kernels first, on the same stream. One warp per row: lane 0 decides ownership (a binary
-// search over the pack's offsets), and the warp zeroes the row when nobody owns it.
+// these kernels first, on the same stream. Each thread decides the ownership of one row (a
+// binary search over the pack's offsets); then its warp zeroes the warp's unowned rows one by
+// one, all lanes on a row (coalesced). Valid offsets leave only a pack's tail unowned, so for
+// most rows the kernel is the test alone.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,7 +14,7 @@
 
 namespace jax_varlen::cuda {
 
-constexpr int kFillWarps = 8;
+constexpr int kFillThreads = 256;
 
 // Zero elements [0, count) of a 16-bit or 32-bit row, by 16-bit halves (every dtype's zero).
 __device__ __forceinline__ void zero_row(void* row, int64_t elements, int elem_bytes, int lane) {
@@ -25,43 +27,46 @@ __device__ __forceinline__ void zero_row(void* row, int64_t elements, int elem_b
 // rows), or its d_key and d_value (over the key rows).
 enum class Fill { kOut, kDQuery, kDKeyValue };
 
-// Grid (ceil(rows / kFillWarps)), rows = num_packs * pack_rows_q (or pack_rows_k for kDKeyValue).
+// Grid (ceil(rows / kFillThreads)), rows = num_packs * pack_rows_q (or pack_rows_k for
+// kDKeyValue); thread t of block x tests row x * kFillThreads + t.
 template <Fill kFill>
-__global__ void __launch_bounds__(32 * kFillWarps) packed_fill_kernel(const __grid_constant__ BackwardParams bp) {
+__global__ void __launch_bounds__(kFillThreads) packed_fill_kernel(const __grid_constant__ BackwardParams bp) {
   constexpr bool kKeys = kFill == Fill::kDKeyValue;
   const AttentionParams& p = bp.fwd;
   const int64_t rows = p.num_packs * (kKeys ? p.pack_rows_k : p.pack_rows_q);
-  const int64_t r = int64_t(blockIdx.x) * kFillWarps + threadIdx.x / 32;
+  const int64_t mine = int64_t(blockIdx.x) * kFillThreads + threadIdx.x;
   const int lane = threadIdx.x % 32;
-  if (r >= rows) return;
-  const int owned = __shfl_sync(0xffffffff, lane == 0 && row_owned(p, r, kKeys) ? 1 : 0, 0);
-  if (owned) return;
   const int elem_bytes = p.dtype == DType::kF32 ? 4 : 2;
-  auto zero = [&](void* base, int64_t row_stride, int64_t heads, int64_t head_stride, int64_t dim) {
-    for (int64_t h = 0; h < heads; ++h)
-      zero_row(static_cast<char*>(base) + (r * row_stride + h * head_stride) * elem_bytes, dim, elem_bytes, lane);
-  };
-  if constexpr (kFill == Fill::kDKeyValue) {
-    zero(bp.d_k, p.k_row_stride, p.kv_num_heads, p.k_head_stride, p.head_dim);
-    zero(bp.d_v, p.v_row_stride, p.kv_num_heads, p.v_head_stride, p.head_dim_v);
-  } else if constexpr (kFill == Fill::kDQuery) {
-    zero(bp.d_q, p.q_row_stride, p.num_heads, p.q_head_stride, p.head_dim);
-  } else {
-    zero(p.out, p.out_row_stride, p.num_heads, p.out_head_stride, p.head_dim_v);
-    // lse [num_packs, num_heads, pack_rows_q]: row r is (pack r / rows, row r % rows).
-    const int64_t pack = r / p.pack_rows_q, local = r % p.pack_rows_q;
-    for (int64_t h = lane; h < p.num_heads; h += 32) p.lse[(pack * p.num_heads + h) * p.pack_rows_q + local] = -INFINITY;
+  // Bit l: the row of lane l belongs to no sequence.
+  for (unsigned unowned = __ballot_sync(0xffffffff, mine < rows && !row_owned(p, mine, kKeys));
+       unowned != 0; unowned &= unowned - 1) {
+    const int64_t r = mine - lane + __ffs(int(unowned)) - 1;
+    auto zero = [&](void* base, int64_t row_stride, int64_t heads, int64_t head_stride, int64_t dim) {
+      for (int64_t h = 0; h < heads; ++h)
+        zero_row(static_cast<char*>(base) + (r * row_stride + h * head_stride) * elem_bytes, dim, elem_bytes, lane);
+    };
+    if constexpr (kFill == Fill::kDKeyValue) {
+      zero(bp.d_k, p.k_row_stride, p.kv_num_heads, p.k_head_stride, p.head_dim);
+      zero(bp.d_v, p.v_row_stride, p.kv_num_heads, p.v_head_stride, p.head_dim_v);
+    } else if constexpr (kFill == Fill::kDQuery) {
+      zero(bp.d_q, p.q_row_stride, p.num_heads, p.q_head_stride, p.head_dim);
+    } else {
+      zero(p.out, p.out_row_stride, p.num_heads, p.out_head_stride, p.head_dim_v);
+      // lse [num_packs, num_heads, pack_rows_q]: row r is (pack r / rows, row r % rows).
+      const int64_t pack = r / p.pack_rows_q, local = r % p.pack_rows_q;
+      for (int64_t h = lane; h < p.num_heads; h += 32) p.lse[(pack * p.num_heads + h) * p.pack_rows_q + local] = -INFINITY;
+    }
   }
 }
 
-inline unsigned fill_blocks(int64_t rows) { return unsigned((rows + kFillWarps - 1) / kFillWarps); }
+inline unsigned fill_blocks(int64_t rows) { return unsigned((rows + kFillThreads - 1) / kFillThreads); }
 
 // Forward: unowned query rows get out = 0 and lse = -inf.
 inline cudaError_t run_packed_fill(const AttentionParams& p, cudaStream_t stream) {
   const int64_t rows = p.num_packs * p.pack_rows_q;
   BackwardParams bp{};
   bp.fwd = p;
-  if (rows > 0) packed_fill_kernel<Fill::kOut><<<fill_blocks(rows), 32 * kFillWarps, 0, stream>>>(bp);
+  if (rows > 0) packed_fill_kernel<Fill::kOut><<<fill_blocks(rows), kFillThreads, 0, stream>>>(bp);
   return cudaGetLastError();
 }
 
@@ -69,8 +74,8 @@ inline cudaError_t run_packed_fill(const AttentionParams& p, cudaStream_t stream
 inline cudaError_t run_packed_fill(const BackwardParams& bp, cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
   const int64_t q_rows = p.num_packs * p.pack_rows_q, k_rows = p.num_packs * p.pack_rows_k;
-  if (q_rows > 0) packed_fill_kernel<Fill::kDQuery><<<fill_blocks(q_rows), 32 * kFillWarps, 0, stream>>>(bp);
-  if (k_rows > 0) packed_fill_kernel<Fill::kDKeyValue><<<fill_blocks(k_rows), 32 * kFillWarps, 0, stream>>>(bp);
+  if (q_rows > 0) packed_fill_kernel<Fill::kDQuery><<<fill_blocks(q_rows), kFillThreads, 0, stream>>>(bp);
+  if (k_rows > 0) packed_fill_kernel<Fill::kDKeyValue><<<fill_blocks(k_rows), kFillThreads, 0, stream>>>(bp);
   return cudaGetLastError();
 }
 
