@@ -29,6 +29,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import bench_metrics as metrics
 import bench_report as report
@@ -160,7 +161,6 @@ class Packed:
     length. pack() runs before the timing; the unpack_* are for the checks only."""
 
     def __init__(self, shape):
-        import numpy as np
         self.b, self.sq, self.skv = shape["B"], shape["Sq"], shape["Skv"]
         lens = [min(max(int(n), 0), self.skv) for n in shape["lengths"]]
         self.keys = jnp.asarray(np.concatenate(  # rows of the flattened [B * Skv] key axis

@@ -13,6 +13,7 @@ struct SeqlenInfo {
   int64_t q_start;   // first query row of sequence b within its pack (0 in the padded batch)
   int64_t q_offset;  // first query row of sequence b, in rows of q and out
   int64_t seqlen_q;  // its query rows
+  int64_t k_start;   // first key row of sequence b within its pack (0 in the padded batch)
   int64_t k_offset;  // first key row, in rows of k and v
   int64_t k_rows;    // key rows it owns: Skv in the padded batch (padding included), else seqlen_k
   int64_t seqlen_k;  // its valid keys, clamped into the sequence's key rows: keys [0, seqlen_k)
@@ -28,6 +29,7 @@ struct SeqlenInfo {
       q_start = 0;
       q_offset = b * p.seqlen_q;
       seqlen_q = p.seqlen_q;
+      k_start = 0;
       k_offset = b * p.seqlen_k;
       k_rows = p.seqlen_k;
       seqlen_k = clamp_seqlen(p.nonpad_kv_seqlen[b], p.seqlen_k);
@@ -38,7 +40,7 @@ struct SeqlenInfo {
     q_start = clamp_seqlen(p.cu_seqlens_q[at], p.pack_rows_q);
     q_offset = pack * p.pack_rows_q + q_start;
     seqlen_q = clamp_seqlen(p.cu_seqlens_q[at + 1] - q_start, min_extent(p.seqlen_q, p.pack_rows_q - q_start));
-    const int64_t k_start = clamp_seqlen(p.cu_seqlens_k[at], p.pack_rows_k);
+    k_start = clamp_seqlen(p.cu_seqlens_k[at], p.pack_rows_k);
     k_offset = pack * p.pack_rows_k + k_start;
     seqlen_k = clamp_seqlen(p.cu_seqlens_k[at + 1] - k_start, min_extent(p.seqlen_k, p.pack_rows_k - k_start));
     k_rows = seqlen_k;

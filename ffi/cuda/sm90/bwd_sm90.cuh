@@ -162,7 +162,7 @@ struct BwdBlock {
     const SeqlenInfo seq(p, b);
     pack = int(seq.pack);
     q_start = int(seq.q_start);
-    k_start = int(seq.k_offset - seq.pack * p.pack_rows_k);
+    k_start = int(seq.k_start);
     len_q = int(seq.seqlen_q);
     k_rows = int(seq.k_rows);
     n = int(seq.seqlen_k);

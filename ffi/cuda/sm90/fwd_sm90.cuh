@@ -148,24 +148,21 @@ __device__ __forceinline__ Unit decode_unit(const KernelParams<Tr>& kp, const Sh
   const AttentionParams& p = kp.p;
   const int per_seq = int(p.num_heads) * kp.num_m_blocks;
   const int rank = u / per_seq, rem = u % per_seq;
+  const bool sorted = p.batch <= Tr::kMaxSortedBatch;
   Unit w;
-  if (p.batch <= Tr::kMaxSortedBatch) {
-    w.b = ss.order[rank];
+  w.b = sorted ? ss.order[rank] : rank;
+  if (sorted && p.cu_seqlens_q == nullptr) {  // padded: its length is in shared memory
     w.n = ss.sorted_len[rank];
-  } else {
-    w.b = rank;
-    w.n = int(SeqlenInfo(p, rank).seqlen_k);
-  }
-  if (p.cu_seqlens_q != nullptr) {  // packed: the sequence's place in its pack
-    const SeqlenInfo seq(p, w.b);
-    w.pack = int(seq.pack);
-    w.q_start = int(seq.q_start);
-    w.k_start = int(seq.k_offset - seq.pack * p.pack_rows_k);
-    w.len_q = int(seq.seqlen_q);
-  } else {
     w.pack = w.b;
     w.q_start = w.k_start = 0;
     w.len_q = int(p.seqlen_q);
+  } else {
+    const SeqlenInfo seq(p, w.b);
+    w.n = int(seq.seqlen_k);
+    w.pack = int(seq.pack);
+    w.q_start = int(seq.q_start);
+    w.k_start = int(seq.k_start);
+    w.len_q = int(seq.seqlen_q);
   }
   // Row blocks from the sequence's last; slots past its first block are empty.
   const int blocks = (w.len_q + Tr::kBlockM - 1) / Tr::kBlockM;
