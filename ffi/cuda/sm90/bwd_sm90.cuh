@@ -11,11 +11,12 @@
 //       P^T = exp(S^T - lse), masked; dS^T = P^T (dP^T - delta) (times 1 - t^2 with softcap)
 //       dV += P^T dO and dK += dS^T Q            (RS wgmma: P^T, dS^T from registers; Q, dO
 //                                                 read MN-major through transposed views)
-//       dS^T -> shared memory; dQ_part = dS K     (SS, MN-major; the warpgroups split D),
-//       issued before dK so that each warpgroup's half of dQ_part goes to shared memory, for
-//       the dQ writer, while dK runs
+//       dS^T -> shared memory (stmatrix); dQ_part = dS K (SS, MN-major; the warpgroups split
+//       D), issued before dK so that each warpgroup's half of dQ_part goes to shared memory,
+//       for the dQ writer, while dK runs
 //   dK and dV stay in registers for the whole walk and sum over the group's query heads.
-//   The producer warp also stages each step's lse (base 2) and delta rows in shared memory.
+//   The producer warp also stages each step's lse (base 2) and delta rows in shared memory;
+//   the consumers load them into registers while the step's first products run.
 // warpgroup 0, warp 1: the dQ writer (below).
 //
 // dQ: row block m of head h gets one partial per key block that it sees (n < nvis(m)); they
@@ -23,8 +24,9 @@
 // (b, h, m) in dq_semaphore: the writer of block n waits until the counter reaches
 // nvis(m) - 1 - n, bulk-copies each warpgroup's half from shared memory (the first partial) or
 // bulk-adds it (cp.reduce.async.bulk, the others) -- one 16 KB op per half, in the order the
-// registers hold it --, waits for it to land, and counts itself. The consumers never wait on
-// the counter: they only hand the halves over through shared memory. A last
+// registers hold it --, waits for it to land, and counts itself (a release add). The consumers
+// never wait on the counter: they hand the halves over through two shared buffers, so they
+// fill one while the writer drains the other. A last
 // kernel writes d_q = scale * dq_accum in the input dtype (zero rows where no block sees the
 // row block). The order depends only on the lengths, so d_q is bitwise deterministic. Every
 // wait is on a block of higher n of the same (b, g), which has a lower blockIdx.x (a pair's key
@@ -127,13 +129,13 @@ struct alignas(1024) BwdSharedStorage {
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> v;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSt>, 1024> d_s;
-  alignas(128) float d_q[2][Tr::kDqHalf];  // the dQ partial, one half per consumer warpgroup
+  alignas(128) float d_q[2][2][Tr::kDqHalf];  // dQ partials [buffer][consumer warpgroup's half]
   float lse2[Tr::kStages][Tr::kBlockM];   // lse * log2 e of the step's rows, +inf past Sq
   float delta[Tr::kStages][Tr::kBlockM];  // delta of the step's rows, 0 past Sq
   uint64_t full_kv;                  // K and V landed
   uint64_t full[Tr::kStages];        // Q, dO, lse and delta of a step landed
   uint64_t empty[Tr::kStages];       // the consumers are done with the stage
-  uint64_t full_dq[2], empty_dq[2];  // consumer warpgroup w <-> dQ writer: the half d_q[w]
+  uint64_t full_dq[2][2], empty_dq[2][2];  // [buffer][w]: consumer warpgroup w <-> dQ writer
 };
 
 template <typename Tr>
@@ -244,9 +246,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       Barrier::init(&ss.empty[s], Tr::kConsumerWarps);
     }
 #pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      Barrier::init(&ss.full_dq[w], Tr::kConsumerWarps / 2);
-      Barrier::init(&ss.empty_dq[w], 1);
+    for (int i = 0; i < 4; ++i) {
+      Barrier::init(&ss.full_dq[i / 2][i % 2], Tr::kConsumerWarps / 2);
+      Barrier::init(&ss.empty_dq[i / 2][i % 2], 1);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -262,9 +264,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 1) {  // the dQ writer
-      int phase_dq = 0;
+      int step = 0;
       for (int h = h0; h < h0 + group; ++h)
-        for (int m = blk.m_lo; m < blk.m_end; ++m) {
+        for (int m = blk.m_lo; m < blk.m_end; ++m, ++step) {
+          const int buf = step & 1, phase_dq = (step >> 1) & 1;
           const int rank = blk.key_blocks_seen(p, m) - 1 - blk.n_block;  // >= 0
           const int64_t unit = blk.dq_unit(p, kp.num_slots, h, m);
           int* sem = bp.dq_semaphore + unit;
@@ -273,7 +276,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           // waits for the block ahead in the order.
 #pragma unroll
           for (int w = 0; w < 2; ++w) {
-            Barrier::wait(&ss.full_dq[w], phase_dq);
+            Barrier::wait(&ss.full_dq[buf][w], phase_dq);
             if (w == 0) {
               if (lane == 0 && rank > 0)
                 while (load_acquire(sem) < rank) {
@@ -282,7 +285,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
               asm volatile("fence.proxy.async.global;" ::: "memory");
             }
             if (lane == 0) {
-              const uint32_t src = cute::cast_smem_ptr_to_uint(ss.d_q[w]);
+              const uint32_t src = cute::cast_smem_ptr_to_uint(ss.d_q[buf][w]);
               float* dst = acc + w * Tr::kDqHalf;
               if (rank == 0)
                 asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
@@ -294,17 +297,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
             }
           }
           if (lane == 0) {
-            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-            Barrier::arrive(&ss.empty_dq[0]);  // d_q[0] may be overwritten
+            // Both halves read: the consumers may refill the buffer (they write the other one
+            // meanwhile). Then landed: the next block in the order may add (release).
             asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-            Barrier::arrive(&ss.empty_dq[1]);
+            Barrier::arrive(&ss.empty_dq[buf][0]);
+            Barrier::arrive(&ss.empty_dq[buf][1]);
             asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
             asm volatile("fence.proxy.async.global;" ::: "memory");
-            __threadfence();
-            atomicAdd(sem, 1);  // the partial landed: the next block in the order may add
+            asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sem) : "memory");
           }
           __syncwarp();
-          phase_dq ^= 1;
         }
       return;
     }
@@ -385,7 +387,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, M, K, buffers)
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt(_, _, 0));
-  Tensor tdSsdS = thr_sdp.partition_C(sdSt);            // this thread's dS^T elements, per buffer
+  // dS^T to shared memory by stmatrix: 8x8 tiles of the accumulator, rows (of Q) contiguous.
+  auto copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  auto thr_copy_ds = copy_ds.get_thread_slice(ct);
+  Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);  // (copy, keys, rows, buffers)
   // (key, row) of this thread's S^T elements and (key, column) of its dK/dV elements.
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -426,11 +431,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   };
 
   int stage = 0, phase = 0, step = 0;
-  int phase_dq = 0;
   for (int h = h0; h < h0 + group; ++h) {
     for (int m = blk.m_lo; m < blk.m_end; ++m, ++step) {
       const int row0 = m * kBlockM;
-      const int buf = step & 1;
+      const int buf = step & 1;  // of dS^T and of the dQ partial
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       Barrier::wait(&ss.full[stage], phase);
@@ -440,19 +444,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       // Masking: needed unless every row of the block is real and sees every key of this block.
       const int first_limit = int(allowed_keys(row0, blk.n, blk.len_q, p.is_causal));
       const bool masked = row0 + kBlockM > blk.len_q || key0 + kBlockN > first_limit;
+      // The rows' lse into registers while the products run (from shared memory after the
+      // wait, their latency stalled every warp: 8% of the samples, benchmarks/NOTES.md).
+      float lse2[kS];
+#pragma unroll
+      for (int i = 0; i < kS; ++i) lse2[i] = ss.lse2[stage][get<1>(cS(i))];
       warpgroup_wait<1>();
       // P^T in place of S^T (with softcap, t = tanh(s / softcap) kept for dS).
       float tanh_t[kSoftcap ? kS : 1];
 #pragma unroll
       for (int i = 0; i < kS; ++i) {
         const int row = row0 + int(get<1>(cS(i)));
-        const float lse2 = ss.lse2[stage][get<1>(cS(i))];
         float z = tSrS(i) * z_scale;
         if constexpr (kSoftcap) {
           tanh_t[i] = tanhf(z);
           z = z_cap * tanh_t[i];
         }
-        float prob = ex2_approx(z - lse2);
+        float prob = ex2_approx(z - lse2[i]);
         if (masked) {
           const int limit = row < blk.len_q ? int(allowed_keys(row, blk.n, blk.len_q, p.is_causal)) : 0;
           if (key0 + int(get<0>(cS(i))) >= limit) prob = 0.0f;
@@ -466,28 +474,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
             convert(*reinterpret_cast<const cutlass::Array<float, kS>*>(tSrS.data()));
       }
       wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
+      float delta[kS];
+#pragma unroll
+      for (int i = 0; i < kS; ++i) delta[i] = ss.delta[stage][get<1>(cS(i))];
       warpgroup_wait<1>();  // dP^T
       // dS^T in place of dP^T; exactly 0 wherever P is (masked keys, padding, rows past Sq).
 #pragma unroll
       for (int i = 0; i < kS; ++i) {
-        const float delta = ss.delta[stage][get<1>(cS(i))];
-        float ds = tSrS(i) * (tdPrdP(i) - delta);
+        float ds = tSrS(i) * (tdPrdP(i) - delta[i]);
         if constexpr (kSoftcap) ds *= 1.0f - tanh_t[i] * tanh_t[i];
         tdPrdP(i) = tSrS(i) == 0.0f ? 0.0f : ds;
       }
-      Tensor tdKrdS = make_tensor_like<Element>(make_tensor(tdPrdP.data(), acc_to_a_layout(tdPrdP.layout())));
+      Tensor rdS = make_tensor_like<Element>(tdPrdP);  // dS^T in the accumulator's layout
       {
         cutlass::NumericArrayConverter<Element, float, kS> convert;
-        *reinterpret_cast<cutlass::Array<Element, kS>*>(tdKrdS.data()) =
+        *reinterpret_cast<cutlass::Array<Element, kS>*>(rdS.data()) =
             convert(*reinterpret_cast<const cutlass::Array<float, kS>*>(tdPrdP.data()));
       }
+      Tensor tdKrdS = make_tensor(rdS.data(), acc_to_a_layout(tdPrdP.layout()));
       // dS^T to shared memory (buffer `buf`) for dQ of the row block from both halves; dQ is
       // issued before dK so that its partial goes out while dK runs.
-      {
-        Tensor dst = tdSsdS(_, _, _, buf);
-#pragma unroll
-        for (int i = 0; i < kS; ++i) dst(i) = tdKrdS.data()[i];  // register order = S^T's
-      }
+      copy(copy_ds, thr_copy_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
       cutlass::arch::fence_view_async_shared();
       named_sync(kBwdPairBarrier, Tr::kConsumerThreads);
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -495,23 +502,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), tdKrdK);
       warpgroup_wait<1>();  // dQ (dK in flight)
       warpgroup_fence_operand(tdQrdQ);
-      // The dQ partial to this warpgroup's half, once the writer has read the previous one.
-      Barrier::wait(&ss.empty_dq[wg], phase_dq ^ 1);
+      // The dQ partial to this warpgroup's half of buffer `buf`, once the writer has read what
+      // it held two steps ago.
+      Barrier::wait(&ss.empty_dq[buf][wg], ((step >> 1) & 1) ^ 1);
       {
         constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
-        float* dst = ss.d_q[wg] + 4 * (ct % 128);
+        float* dst = ss.d_q[buf][wg] + 4 * (ct % 128);
 #pragma unroll
         for (int i = 0; i < kQ; i += 4)
           *reinterpret_cast<float4*>(dst + i * 128) = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
       }
       cutlass::arch::fence_view_async_shared();
-      release(&ss.full_dq[wg]);
+      release(&ss.full_dq[buf][wg]);
       warpgroup_wait<0>();  // dK
       warpgroup_fence_operand(tdKrdK);
       warpgroup_fence_operand(tdKrdS);  // its registers stay live until dK has read them
       release(&ss.empty[stage]);
       if (++stage == kStages) { stage = 0; phase ^= 1; }
-      phase_dq ^= 1;
     }
   }
 
@@ -539,14 +546,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
 
 // d_q [b, i, h, :D] = scale * dq_accum of (b, h, row block of i), zero where no key block sees
 // that row block. One CTA per (b, h, row block < ceil(seqlen_q / kBlockM)), nothing to do past
-// the sequence's own row blocks; its 256 threads laid out as the consumers:
-// thread t reads the values it wrote in the main kernel (coalesced float4s in register order)
-// and finds their (row, column) through the same MMA partition.
+// the sequence's own row blocks; its 256 threads laid out as the consumers: thread t reads the
+// values it wrote in the main kernel (coalesced float4s in register order), finds their (row,
+// column) through the same MMA partition and puts them, scaled and converted, in a shared
+// [kBlockM, kHeadDim] tile; then the tile goes out in 16-byte row chunks (a 4-byte store per
+// value pair wrote each 32-byte sector half: 0.72 ms of the 12.5 ms backward on d128-full).
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const __grid_constant__ BackwardParams bp,
                                                                           int num_m_blocks, int num_slots) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  constexpr int kPitch = kHeadDim + 8;  // elements per shared row: the 8 rows of a store phase on distinct banks
+  __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const AttentionParams& p = bp.fwd;
   const int64_t unit = blockIdx.x;  // (b, h, m)
   const int m = int(unit % num_m_blocks);
@@ -562,21 +573,36 @@ __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const
   const bool seen = blk.key_blocks_seen(p, m) > 0;
   const float* src = bp.dq_accum + blk.dq_unit(p, num_slots, h, m) * (kBlockM * kHeadDim) +
                      (ct / 128) * Tr::kDqHalf + 4 * (ct % 128);
-  Element* d_q = static_cast<Element*>(bp.d_q) + int64_t(blk.pack) * p.q_batch_stride +
-                 int64_t(blk.q_start) * p.q_row_stride + h * p.q_head_stride;
 #pragma unroll
   for (int i = 0; i < kQ; i += 4) {
     const float4 v = seen ? __ldcs(reinterpret_cast<const float4*>(src + i * 128)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const float vals[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int j = 0; j < 4; j += 2) {  // values i + j and i + j + 1: adjacent columns of one row
-      const int64_t row = int64_t(m) * kBlockM + int(get<0>(cQ(i + j)));
-      const int c = int(get<1>(cQ(i + j)));
-      if (row >= blk.len_q || c >= p.head_dim) continue;
       cutlass::Array<Element, 2> pair;
       pair[0] = Element(vals[j] * p.scale);
       pair[1] = Element(vals[j + 1] * p.scale);
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(d_q + row * p.q_row_stride + c) = pair;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(&tile[int(get<0>(cQ(i + j))) * kPitch + int(get<1>(cQ(i + j)))]) = pair;
+    }
+  }
+  __syncthreads();
+  const int64_t row0 = int64_t(m) * kBlockM;
+  const int rows = blk.len_q - row0 < kBlockM ? int(blk.len_q - row0) : kBlockM;
+  Element* d_q = static_cast<Element*>(bp.d_q) + int64_t(blk.pack) * p.q_batch_stride +
+                 (blk.q_start + row0) * p.q_row_stride + h * p.q_head_stride;
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a tile row
+  // 16-byte stores need D and the strides in whole chunks (d_q is dense: [.., H, D] rows); else
+  // element by element.
+  const bool vector = p.head_dim % 8 == 0 && p.q_row_stride % 8 == 0 && p.q_head_stride % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(bp.d_q) % 16 == 0;
+  for (int idx = ct; idx < rows * kChunks; idx += Tr::kConsumerThreads) {
+    const int r = idx / kChunks, c = (idx % kChunks) * 8;
+    if (c >= p.head_dim) continue;
+    Element* dst = d_q + r * p.q_row_stride + c;
+    if (vector) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&tile[r * kPitch + c]);
+    } else {
+      for (int e = 0; e < 8 && c + e < p.head_dim; ++e) dst[e] = tile[r * kPitch + c + e];
     }
   }
 }
