@@ -590,20 +590,13 @@ __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const
   const int rows = blk.len_q - row0 < kBlockM ? int(blk.len_q - row0) : kBlockM;
   Element* d_q = static_cast<Element*>(bp.d_q) + int64_t(blk.pack) * p.q_batch_stride +
                  (blk.q_start + row0) * p.q_row_stride + h * p.q_head_stride;
-  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a tile row
-  // 16-byte stores need D and the strides in whole chunks (d_q is dense: [.., H, D] rows); else
-  // element by element.
-  const bool vector = p.head_dim % 8 == 0 && p.q_row_stride % 8 == 0 && p.q_head_stride % 8 == 0 &&
-                      reinterpret_cast<uintptr_t>(bp.d_q) % 16 == 0;
+  // 16-byte chunks of a tile row: the path's conditions (dispatch.cu: D a multiple of 8, strides
+  // of whole chunks, d_q 16-byte aligned) make every chunk whole.
+  constexpr int kChunks = kHeadDim / 8;
   for (int idx = ct; idx < rows * kChunks; idx += Tr::kConsumerThreads) {
     const int r = idx / kChunks, c = (idx % kChunks) * 8;
-    if (c >= p.head_dim) continue;
-    Element* dst = d_q + r * p.q_row_stride + c;
-    if (vector) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&tile[r * kPitch + c]);
-    } else {
-      for (int e = 0; e < 8 && c + e < p.head_dim; ++e) dst[e] = tile[r * kPitch + c + e];
-    }
+    if (c < p.head_dim)
+      *reinterpret_cast<uint4*>(d_q + r * p.q_row_stride + c) = *reinterpret_cast<const uint4*>(&tile[r * kPitch + c]);
   }
 }
 
