@@ -51,14 +51,17 @@ NB_MODULE(_jax_varlen, m) {
   // lowering with them, so they must not be repeated there.
   m.def("constants", []() {
     namespace c = jax_varlen::cuda;
-    nb::list buckets;
-    for (int d : c::kHeadDimBuckets) buckets.append(d);
+    nb::list buckets, bwd_block_m;
+    for (int d : c::kHeadDimBuckets) {
+      buckets.append(d);
+      bwd_block_m.append(d <= c::kBwdSm90MaxHeadDim ? c::bwd_block_m(d) : 0);
+    }
     nb::dict d;
     d["head_dim_buckets"] = nb::tuple(buckets);  // max(D, Dv) rounds up to one of these
     d["cuda_max_head_dim"] = c::kMaxHeadDim;     // largest D and Dv of the CUDA kernels
     d["split_max_seqlen_q"] = c::kSplitMaxSeqlenQ;  // split-KV path for seqlen_q up to this
     d["split_keys"] = c::kSplitKeys;                // keys per split-KV chunk
-    d["bwd_block_m"] = c::kBwdBlockM;               // Hopper backward: rows per dQ block
+    d["bwd_block_m"] = nb::tuple(bwd_block_m);      // Hopper backward: rows per dQ block, per bucket (0: none)
     d["bwd_sm90_max_head_dim"] = c::kBwdSm90MaxHeadDim;  // its largest bucket
     return d;
   });

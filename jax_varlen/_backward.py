@@ -83,16 +83,17 @@ for _p in (attention_bwd_p, packed_attention_bwd_p):
 
 def dq_workspace_shape(query_aval, value_aval, pack_seqs=1):
     """Float32 dQ workspace of the Hopper backward (layout: ffi/cuda/limits.h): per (pack, head,
-    slot of BWD_BLOCK_M rows) an fp32 partial sum of a row block's dQ and a counter. A pack of
-    ``pack_seqs`` sequences over ``Tq`` rows has ceil(Tq / BWD_BLOCK_M) + pack_seqs - 1 slots
+    slot of M = BWD_BLOCK_M[bucket] rows) an fp32 partial sum of a row block's dQ and a counter.
+    A pack of ``pack_seqs`` sequences over ``Tq`` rows has ceil(Tq / M) + pack_seqs - 1 slots
     (each sequence's blocks in slots of their own; the padded batch: one sequence per pack).
     Empty when the head sizes' bucket is past the kernel's, or a pack holds no sequence."""
     N, Tq, H, D = query_aval.shape
     dim = next(b for b in HEAD_DIM_BUCKETS if max(D, value_aval.shape[3]) <= b)
     if dim > BWD_SM90_MAX_HEAD_DIM or pack_seqs < 1:
         return (0,)
-    slots = -(-Tq // BWD_BLOCK_M) + pack_seqs - 1
-    return (N * H * slots * (BWD_BLOCK_M * dim + 1),)
+    block_m = BWD_BLOCK_M[dim]
+    slots = -(-Tq // block_m) + pack_seqs - 1
+    return (N * H * slots * (block_m * dim + 1),)
 
 
 def _with_workspaces(lower, workspaces_of=lambda ctx: ()):

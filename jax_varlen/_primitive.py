@@ -44,10 +44,10 @@ except ImportError:
 CUDA_MAX_HEAD_DIM = _CONSTANTS.get("cuda_max_head_dim")
 SPLIT_MAX_SEQLEN_Q = _CONSTANTS.get("split_max_seqlen_q")
 SPLIT_KEYS = _CONSTANTS.get("split_keys")
-# Head-dim buckets of the tensor-core kernels, and the Hopper backward's dQ blocks and largest
-# bucket (its dQ workspace, _backward.py).
+# Head-dim buckets of the tensor-core kernels, and the Hopper backward's rows per dQ block (per
+# bucket, 0 past its largest) and largest bucket (its dQ workspace, _backward.py).
 HEAD_DIM_BUCKETS = _CONSTANTS.get("head_dim_buckets")
-BWD_BLOCK_M = _CONSTANTS.get("bwd_block_m")
+BWD_BLOCK_M = dict(zip(HEAD_DIM_BUCKETS or (), _CONSTANTS.get("bwd_block_m", ())))
 BWD_SM90_MAX_HEAD_DIM = _CONSTANTS.get("bwd_sm90_max_head_dim")
 
 attention_fwd_p = Primitive("jax_varlen_attention_fwd")

@@ -84,14 +84,15 @@ def padded_alone(q, k, v, cu_q, cu_k, ct_out, ct_lse, b, grid_q, **kw):
     call takes. A packed call whose query extent ``grid_q`` (max_seqlen_q, else Tq) is past
     SPLIT_MAX_SEQLEN_Q runs the one-pass kernels for every sequence, while a padded call of
     Sq <= SPLIT_MAX_SEQLEN_Q rows would take the split-KV one; so a short sequence gets
-    BWD_BLOCK_M leading query rows of zeros with zero cotangents. They change no bit of the
-    real rows: rows are independent in the forward, tail alignment counts from the last row,
-    the backward groups rows in blocks of BWD_BLOCK_M, and a block of zero cotangents adds
+    leading query rows of zeros with zero cotangents, as many as the largest BWD_BLOCK_M. They
+    change no bit of the real rows: rows are independent in the forward, tail alignment counts
+    from the last row, the backward groups rows in blocks of BWD_BLOCK_M (which divide the
+    lead), and a block of zero cotangents adds
     exact zeros to dK and dV."""
     cq, ck = np.asarray(cu_q), np.asarray(cu_k)
     rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
     len_q = cq[b + 1] - cq[b]
-    lead = BWD_BLOCK_M if grid_q > SPLIT_MAX_SEQLEN_Q >= len_q else 0
+    lead = max(BWD_BLOCK_M.values()) if grid_q > SPLIT_MAX_SEQLEN_Q >= len_q else 0
     pad = lambda x, axis=0: jnp.concatenate(  # noqa: E731
         [jnp.zeros(x.shape[:axis] + (lead,) + x.shape[axis + 1:], x.dtype), x], axis)
     n = jnp.asarray([ck[b + 1] - ck[b]], jnp.int32)

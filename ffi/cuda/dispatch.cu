@@ -160,7 +160,8 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
 static int64_t bwd_sm90_workspace_elements(const AttentionParams& p) {
   const int dim = kHeadDimBuckets[bucket(p)];
   if (dim > kBwdSm90MaxHeadDim) return 0;
-  return p.num_packs * p.num_heads * bwd_dq_slots(p.pack_rows_q, p.pack_seqs) * (int64_t(kBwdBlockM) * dim + 1);
+  const int block_m = bwd_block_m(dim);
+  return p.num_packs * p.num_heads * bwd_dq_slots(p.pack_rows_q, p.pack_seqs, block_m) * (int64_t(block_m) * dim + 1);
 }
 #endif
 
@@ -177,7 +178,8 @@ cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream) {
   if (tc && major == 9 && sm90_takes(p) && p.seqlen_q > 0 && need > 0 && bp.dq_elements >= need &&
       aligned16(bp.dq_accum) && n_blocks * p.batch * p.kv_num_heads <= INT32_MAX) {
     fn = kBwdSm90[int(p.dtype)][bucket(p)];
-    const int64_t sems = p.num_packs * p.num_heads * bwd_dq_slots(p.pack_rows_q, p.pack_seqs);
+    const int64_t sems =
+        p.num_packs * p.num_heads * bwd_dq_slots(p.pack_rows_q, p.pack_seqs, bwd_block_m(kHeadDimBuckets[bucket(p)]));
     args.dq_semaphore = reinterpret_cast<int32_t*>(bp.dq_accum + (need - sems));
   }
 #endif

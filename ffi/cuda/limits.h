@@ -19,20 +19,23 @@ constexpr int kSplitMaxSeqlenQ = 16;
 constexpr int kSplitKeys = 1024;
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of kBwdBlockN keys per CTA, steps of
-// kBwdBlockM query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the sm80
-// kernels). Its dQ workspace (float32 elements, an XLA output the CUDA backward always gets):
-//   dq_accum     [packs, num_heads, slots, kBwdBlockM * bucket]   slots = bwd_dq_slots(...)
+// bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the
+// sm80 kernels). Its dQ workspace (float32 elements, an XLA output the CUDA backward always gets):
+//   dq_accum     [packs, num_heads, slots, block_m * bucket]   slots = bwd_dq_slots(...)
 //                (each row block's tile in the consumers' register order, bwd_sm90.cuh)
 //   dq_semaphore [packs, num_heads, slots] int32, right after it
 // bucket = the head-dim bucket of max(D, Dv); 0 elements when it is past kBwdSm90MaxHeadDim.
-// Sequence s of a pack (params.h) keeps its row blocks in slots (q_start + s * kBwdBlockM) /
-// kBwdBlockM on, so no two sequences share one: ceil(pack_rows_q / kBwdBlockM) + pack_seqs - 1
-// slots per (pack, head); ceil(Sq / kBwdBlockM) in the padded batch (a pack per sequence).
-constexpr int kBwdBlockM = 64;
+// Sequence s of a pack (params.h) keeps its row blocks in slots (q_start + s * block_m) /
+// block_m on, so no two sequences share one: ceil(pack_rows_q / block_m) + pack_seqs - 1
+// slots per (pack, head); ceil(Sq / block_m) in the padded batch (a pack per sequence).
+// block_m * bucket = 8192 floats either way.
 constexpr int kBwdBlockN = 128;
 constexpr int kBwdSm90MaxHeadDim = 128;
-constexpr long long bwd_dq_slots(long long pack_rows_q, long long pack_seqs) {
-  return pack_seqs < 1 ? 0 : (pack_rows_q + kBwdBlockM - 1) / kBwdBlockM + pack_seqs - 1;
+// Rows per step: 128 at bucket 64 (there a step's products are half the size and its fixed
+// costs -- waits, barriers, the dQ hand-off -- are not), 64 at bucket 128.
+constexpr int bwd_block_m(int bucket) { return bucket <= 64 ? 128 : 64; }
+constexpr long long bwd_dq_slots(long long pack_rows_q, long long pack_seqs, int block_m) {
+  return pack_seqs < 1 ? 0 : (pack_rows_q + block_m - 1) / block_m + pack_seqs - 1;
 }
 
 }  // namespace jax_varlen::cuda

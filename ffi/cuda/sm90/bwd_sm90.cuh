@@ -3,7 +3,8 @@
 //
 // One CTA = (sequence b, kv head g, key block n of kBlockN = 128 keys), 3 warpgroups:
 //   warpgroup 0, warp 0: the producer. K and V of the block land once; then, for every query
-//     head h of g's group and every row block m (kBlockM = 64 rows) that sees the block, Q[m]
+//     head h of g's group and every row block m (kBlockM rows: 64 at head-dim bucket 128, 128
+//     at 64, limits.h) that sees the block, Q[m]
 //     and dO[m] of head h land in a kStages-deep ring on mbarriers.
 //   warpgroups 1 and 2: the consumers, 64 keys each. Per step (h, m), with S^T = K Q^T
 //     [keys, rows] so that the keys run along the accumulators' rows:
@@ -12,8 +13,8 @@
 //       dV += P^T dO and dK += dS^T Q            (RS wgmma: P^T, dS^T from registers; Q, dO
 //                                                 read MN-major through transposed views)
 //       dS^T -> shared memory (stmatrix); dQ_part = dS K (SS, MN-major; the warpgroups split
-//       D), issued before dK so that each warpgroup's half of dQ_part goes to shared memory,
-//       for the dQ writer, while dK runs
+//       D at 64 rows, the rows at 128), issued before dK so that each warpgroup's half of
+//       dQ_part goes to shared memory, for the dQ writer, while dK runs
 //   dK and dV stay in registers for the whole walk and sum over the group's query heads.
 //   The producer warp also stages each step's lse (base 2) and delta rows in shared memory;
 //   the consumers load them into registers while the step's first products run.
@@ -57,7 +58,7 @@ template <typename Element_, int kHeadDim_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // bucket of max(D, Dv): 64 or 128
-  static constexpr int kBlockM = kBwdBlockM;  // query rows per step
+  static constexpr int kBlockM = bwd_block_m(kHeadDim_);  // query rows per step
   static constexpr int kBlockN = kBwdBlockN;  // keys per CTA, 64 per consumer warpgroup
   static constexpr int kStages = 2;
   static constexpr int kConsumerThreads = 256;
@@ -77,11 +78,19 @@ struct BwdTraits {
       GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       SplitM{}));
-  // dQ [rows, D] = dS K, each warpgroup D / 2 columns; both operands MN-major.
+  // dQ [rows, D] = dS K, each warpgroup D / 2 columns of 64 rows, or 64 of 128 rows with all of
+  // D; both operands MN-major.
+  static constexpr bool kDqSplitsRows = kBlockM == 128;
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockM>, Int<kDqSplitsRows ? kHeadDim : kHeadDim / 2>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
-      SplitN{}));
+      std::conditional_t<kDqSplitsRows, SplitM, SplitN>{}));
+  // lse and delta of a thread's rows go to registers while the step's first products run at 64
+  // rows (16 values each); at 128 rows (32 each) they do not fit and are read at use. There
+  // the registers also set the order: dV is issued after dS, when S^T's and dP^T's fp32 values
+  // are dead, instead of between P and dS.
+  static constexpr bool kStatsInRegs = kBlockM == 64;
 
   template <int kRows, int kCols, int kDepth>
   using KMajor = decltype(tile_to_shape(
@@ -111,7 +120,7 @@ struct BwdTraits {
   using TmaQ = Tma<kBlockM>;   // Q and dO
   using TmaKV = Tma<kBlockN>;  // K and V
 
-  // dQ partial: each consumer warpgroup's [kBlockM, kHeadDim / 2] half of the tile, in its
+  // dQ partial: each consumer warpgroup's half of the [kBlockM, kHeadDim] tile, in its
   // accumulator's register order: value v of consumer thread t at (v / 4) * 512 + 4 t + v % 4
   // (float4 stores of consecutive threads to consecutive 16 bytes: no bank conflicts). The
   // workspace keeps that order, so one bulk op per half moves it; bwd_sm90_dq_kernel undoes it
@@ -151,6 +160,7 @@ struct BwdKernelParams {
 // Sequence b of the CTA: where it lies (SeqlenInfo, in 32-bit coordinates of its pack) and its
 // steps: row blocks [m_lo, m_end) of each query head of the group, and the number of key
 // blocks that row block m sees (the dQ order's length).
+template <int kBlockM>
 struct BwdBlock {
   int b, g, n_block;
   int pack, q_start, k_start;  // the pack of b (b padded) and b's first query and key row in it
@@ -168,11 +178,11 @@ struct BwdBlock {
     len_q = int(seq.seqlen_q);
     k_rows = int(seq.k_rows);
     n = int(seq.seqlen_k);
-    m_end = (len_q + kBwdBlockM - 1) / kBwdBlockM;
-    slot0 = int((seq.q_start + (b - seq.pack * p.pack_seqs) * kBwdBlockM) / kBwdBlockM);
+    m_end = (len_q + kBlockM - 1) / kBlockM;
+    slot0 = int((seq.q_start + (b - seq.pack * p.pack_seqs) * kBlockM) / kBlockM);
   }
   __device__ int key_blocks_seen(const AttentionParams& p, int m) const {
-    const int last = m * kBwdBlockM + kBwdBlockM - 1;
+    const int last = m * kBlockM + kBlockM - 1;
     const int row = last < len_q ? last : len_q - 1;
     return int((allowed_keys(row, n, len_q, p.is_causal) + kBwdBlockN - 1) / kBwdBlockN);
   }
@@ -206,7 +216,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
-  BwdBlock blk;
+  BwdBlock<kBlockM> blk;
   {  // blockIdx.x = (b * kv_num_heads + g) * num_n_blocks + num_n_blocks - 1 - n: the key blocks
      // of one (b, g) pair side by side, descending, so that co-resident blocks share Q, dO and
      // dq_accum tiles in L2
@@ -446,9 +456,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       const bool masked = row0 + kBlockM > blk.len_q || key0 + kBlockN > first_limit;
       // The rows' lse into registers while the products run (from shared memory after the
       // wait, their latency stalled every warp: 8% of the samples, benchmarks/NOTES.md).
-      float lse2[kS];
+      constexpr bool kInRegs = Tr::kStatsInRegs;
+      float lse2[kInRegs ? kS : 1], delta[kInRegs ? kS : 1];
+      if constexpr (kInRegs) {
 #pragma unroll
-      for (int i = 0; i < kS; ++i) lse2[i] = ss.lse2[stage][get<1>(cS(i))];
+        for (int i = 0; i < kS; ++i) lse2[i] = ss.lse2[stage][get<1>(cS(i))];
+      }
       warpgroup_wait<1>();
       // P^T in place of S^T (with softcap, t = tanh(s / softcap) kept for dS).
       float tanh_t[kSoftcap ? kS : 1];
@@ -460,7 +473,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           tanh_t[i] = tanhf(z);
           z = z_cap * tanh_t[i];
         }
-        float prob = ex2_approx(z - lse2[i]);
+        float prob = ex2_approx(z - (kInRegs ? lse2[i] : ss.lse2[stage][get<1>(cS(i))]));
         if (masked) {
           const int limit = row < blk.len_q ? int(allowed_keys(row, blk.n, blk.len_q, p.is_causal)) : 0;
           if (key0 + int(get<0>(cS(i))) >= limit) prob = 0.0f;
@@ -468,23 +481,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
         tSrS(i) = prob;
       }
       Tensor tdVrP = make_tensor_like<Element>(make_tensor(tSrS.data(), acc_to_a_layout(tSrS.layout())));
-      {
+      auto issue_dv = [&] {  // P^T to Element, then dV += P^T dO
         cutlass::NumericArrayConverter<Element, float, kS> convert;
         *reinterpret_cast<cutlass::Array<Element, kS>*>(tdVrP.data()) =
             convert(*reinterpret_cast<const cutlass::Array<float, kS>*>(tSrS.data()));
-      }
-      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
-      float delta[kS];
+        wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
+      };
+      if constexpr (kInRegs) {
+        issue_dv();
 #pragma unroll
-      for (int i = 0; i < kS; ++i) delta[i] = ss.delta[stage][get<1>(cS(i))];
-      warpgroup_wait<1>();  // dP^T
+        for (int i = 0; i < kS; ++i) delta[i] = ss.delta[stage][get<1>(cS(i))];
+        warpgroup_wait<1>();  // dP^T (dV in flight)
+      } else {
+        warpgroup_wait<0>();  // dP^T
+      }
       // dS^T in place of dP^T; exactly 0 wherever P is (masked keys, padding, rows past Sq).
 #pragma unroll
       for (int i = 0; i < kS; ++i) {
-        float ds = tSrS(i) * (tdPrdP(i) - delta[i]);
+        float ds = tSrS(i) * (tdPrdP(i) - (kInRegs ? delta[i] : ss.delta[stage][get<1>(cS(i))]));
         if constexpr (kSoftcap) ds *= 1.0f - tanh_t[i] * tanh_t[i];
         tdPrdP(i) = tSrS(i) == 0.0f ? 0.0f : ds;
       }
+      if constexpr (!kInRegs) issue_dv();
       Tensor rdS = make_tensor_like<Element>(tdPrdP);  // dS^T in the accumulator's layout
       {
         cutlass::NumericArrayConverter<Element, float, kS> convert;
@@ -567,7 +585,7 @@ __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const
   typename Tr::TiledMmadQ mma_dq;
   Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int kQ = decltype(size(cQ))::value;
-  BwdBlock blk{};
+  BwdBlock<kBlockM> blk{};
   blk.locate(p, b);
   if (m >= blk.m_end) return;
   const bool seen = blk.key_blocks_seen(p, m) > 0;
@@ -630,7 +648,7 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
                          make_tma_copy(SM90_TMA_LOAD{}, mV, LK{}, TileK{}, _1{}),
                          bp, int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
                          int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN),
-                         int(bwd_dq_slots(p.pack_rows_q, p.pack_seqs))};
+                         int(bwd_dq_slots(p.pack_rows_q, p.pack_seqs, Tr::kBlockM))};
   const size_t sems = size_t(p.num_packs * p.num_heads * kp.num_slots) * sizeof(int);
   cudaError_t err = cudaMemsetAsync(bp.dq_semaphore, 0, sems, stream);
   if (err != cudaSuccess) return err;
