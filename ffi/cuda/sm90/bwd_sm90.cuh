@@ -456,11 +456,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       const bool masked = row0 + kBlockM > blk.len_q || key0 + kBlockN > first_limit;
       // The rows' lse into registers while the products run (from shared memory after the
       // wait, their latency stalled every warp: 8% of the samples, benchmarks/NOTES.md).
+      // Element i = c + 2 h + 4 j of the accumulator (column pair c, row half h, 8-column group
+      // j: common.h) is at row get<1>(cS(4 j)) + c, so one 8-byte load per j serves four.
       constexpr bool kInRegs = Tr::kStatsInRegs;
-      float lse2[kInRegs ? kS : 1], delta[kInRegs ? kS : 1];
+      float2 lse2[kInRegs ? kS / 4 : 1], delta[kInRegs ? kS / 4 : 1];
+      auto stat = [&](const float2 (&v)[kInRegs ? kS / 4 : 1], const float* row, int i) {
+        if constexpr (kInRegs) return i % 2 == 0 ? v[i / 4].x : v[i / 4].y;
+        else return row[get<1>(cS(i))];
+      };
       if constexpr (kInRegs) {
 #pragma unroll
-        for (int i = 0; i < kS; ++i) lse2[i] = ss.lse2[stage][get<1>(cS(i))];
+        for (int j = 0; j < kS / 4; ++j) lse2[j] = *reinterpret_cast<const float2*>(&ss.lse2[stage][get<1>(cS(4 * j))]);
       }
       warpgroup_wait<1>();
       // P^T in place of S^T (with softcap, t = tanh(s / softcap) kept for dS).
@@ -473,7 +479,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           tanh_t[i] = tanhf(z);
           z = z_cap * tanh_t[i];
         }
-        float prob = ex2_approx(z - (kInRegs ? lse2[i] : ss.lse2[stage][get<1>(cS(i))]));
+        float prob = ex2_approx(z - stat(lse2, ss.lse2[stage], i));
         if (masked) {
           const int limit = row < blk.len_q ? int(allowed_keys(row, blk.n, blk.len_q, p.is_causal)) : 0;
           if (key0 + int(get<0>(cS(i))) >= limit) prob = 0.0f;
@@ -490,17 +496,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       if constexpr (kInRegs) {
         issue_dv();
 #pragma unroll
-        for (int i = 0; i < kS; ++i) delta[i] = ss.delta[stage][get<1>(cS(i))];
+        for (int j = 0; j < kS / 4; ++j) delta[j] = *reinterpret_cast<const float2*>(&ss.delta[stage][get<1>(cS(4 * j))]);
         warpgroup_wait<1>();  // dP^T (dV in flight)
       } else {
         warpgroup_wait<0>();  // dP^T
       }
-      // dS^T in place of dP^T; exactly 0 wherever P is (masked keys, padding, rows past Sq).
-#pragma unroll
-      for (int i = 0; i < kS; ++i) {
-        float ds = tSrS(i) * (tdPrdP(i) - (kInRegs ? delta[i] : ss.delta[stage][get<1>(cS(i))]));
+      // dS^T in place of dP^T; exactly 0 wherever P is (masked keys, padding, rows past Sq):
+      // there dP^T may be NaN (V rows past n_b), so a masked step selects. In the others every
+      // key and row of the block is real, dP^T finite, and 0 * dP^T is 0 anyway (with softcap
+      // the select stays: a second copy of the loop costs registers there).
+      auto ds_of = [&](int i) {
+        float ds = tSrS(i) * (tdPrdP(i) - stat(delta, ss.delta[stage], i));
         if constexpr (kSoftcap) ds *= 1.0f - tanh_t[i] * tanh_t[i];
-        tdPrdP(i) = tSrS(i) == 0.0f ? 0.0f : ds;
+        return ds;
+      };
+      if (kSoftcap || masked) {
+#pragma unroll
+        for (int i = 0; i < kS; ++i) tdPrdP(i) = tSrS(i) == 0.0f ? 0.0f : ds_of(i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kS; ++i) tdPrdP(i) = ds_of(i);
       }
       if constexpr (!kInRegs) issue_dv();
       Tensor rdS = make_tensor_like<Element>(tdPrdP);  // dS^T in the accumulator's layout
