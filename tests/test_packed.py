@@ -87,8 +87,7 @@ def padded_alone(q, k, v, cu_q, cu_k, ct_out, ct_lse, b, grid_q, **kw):
     leading query rows of zeros with zero cotangents, as many as the largest BWD_BLOCK_M. They
     change no bit of the real rows: rows are independent in the forward, tail alignment counts
     from the last row, the backward groups rows in blocks of BWD_BLOCK_M (which divide the
-    lead), and a block of zero cotangents adds
-    exact zeros to dK and dV."""
+    lead), and a block of zero cotangents adds exact zeros to dK and dV."""
     cq, ck = np.asarray(cu_q), np.asarray(cu_k)
     rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
     len_q = cq[b + 1] - cq[b]

@@ -156,13 +156,19 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
 }
 
 #if defined(JAX_VARLEN_WITH_SM90)
-// Float32 elements of the Hopper backward's dQ workspace (limits.h), 0 when it does not apply.
-static int64_t bwd_sm90_workspace_elements(const AttentionParams& p) {
-  const int dim = kHeadDimBuckets[bucket(p)];
-  if (dim > kBwdSm90MaxHeadDim) return 0;
-  const int block_m = bwd_block_m(dim);
-  return p.num_packs * p.num_heads * bwd_dq_slots(p.pack_rows_q, p.pack_seqs, block_m) * (int64_t(block_m) * dim + 1);
-}
+// The Hopper backward's dQ workspace (limits.h): its (pack, head, slot) units, each a tile of
+// block_m * bucket floats and one counter; 0 units when it does not apply.
+struct BwdSm90Workspace {
+  int64_t units = 0, tile = 0;
+  explicit BwdSm90Workspace(const AttentionParams& p) {
+    const int dim = kHeadDimBuckets[bucket(p)];
+    if (dim > kBwdSm90MaxHeadDim) return;
+    const int block_m = bwd_block_m(dim);
+    units = p.num_packs * p.num_heads * bwd_dq_slots(p.pack_rows_q, p.pack_seqs, block_m);
+    tile = int64_t(block_m) * dim;
+  }
+  int64_t elements() const { return units * (tile + 1); }  // float32: the tiles, then the counters
+};
 #endif
 
 cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream) {
@@ -173,14 +179,13 @@ cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream) {
   BwdFn fn = (tc ? kBwdSm80 : kBwdPortable)[int(p.dtype)][bucket(p)];
   BackwardParams args = bp;
 #if defined(JAX_VARLEN_WITH_SM90)
-  const int64_t need = bwd_sm90_workspace_elements(p);
+  const BwdSm90Workspace ws(p);
+  const int64_t need = ws.elements();
   const int64_t n_blocks = (p.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;  // its grid: n_blocks x B x Hkv
   if (tc && major == 9 && sm90_takes(p) && p.seqlen_q > 0 && need > 0 && bp.dq_elements >= need &&
       aligned16(bp.dq_accum) && n_blocks * p.batch * p.kv_num_heads <= INT32_MAX) {
     fn = kBwdSm90[int(p.dtype)][bucket(p)];
-    const int64_t sems =
-        p.num_packs * p.num_heads * bwd_dq_slots(p.pack_rows_q, p.pack_seqs, bwd_block_m(kHeadDimBuckets[bucket(p)]));
-    args.dq_semaphore = reinterpret_cast<int32_t*>(bp.dq_accum + (need - sems));
+    args.dq_semaphore = reinterpret_cast<int32_t*>(bp.dq_accum + ws.units * ws.tile);
   }
 #endif
   if (fn == nullptr) return cudaErrorInvalidValue;
