@@ -12,9 +12,10 @@
 //       P^T = exp(S^T - lse), masked; dS^T = P^T (dP^T - delta) (times 1 - t^2 with softcap)
 //       dV += P^T dO and dK += dS^T Q            (RS wgmma: P^T, dS^T from registers; Q, dO
 //                                                 read MN-major through transposed views)
-//       dS^T -> shared memory (stmatrix); dQ_part = dS K (SS, MN-major; the warpgroups split
-//       D at 64 rows, the rows at 128), issued before dK so that each warpgroup's half of
-//       dQ_part goes to shared memory, for the dQ writer, while dK runs
+//       dS^T -> shared memory (stmatrix; as dS, transposed, at 128 rows); dQ_part = dS K
+//       (SS; the warpgroups split D at 64 rows, the rows at 128), issued before dK
+//       so that each warpgroup's half of dQ_part goes to shared memory, for the dQ writer,
+//       while dK runs
 //   dK and dV stay in registers for the whole walk and sum over the group's query heads.
 //   The producer warp also stages each step's lse (base 2) and delta rows in shared memory;
 //   the consumers load them into registers while the step's first products run.
@@ -50,6 +51,8 @@
 // (pack, head) on (s: its index in the pack), so no two sequences share a slot (limits.h).
 #pragma once
 
+#include <climits>
+
 #include "cuda/sm90/common.h"
 
 namespace jax_varlen::cuda::sm90 {
@@ -79,12 +82,15 @@ struct BwdTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       SplitM{}));
   // dQ [rows, D] = dS K, each warpgroup D / 2 columns of 64 rows, or 64 of 128 rows with all of
-  // D; both operands MN-major.
+  // D. K^T is MN-major (K as TMA landed it); dS K-major (keys contiguous) at 128 rows, where
+  // it is 13% faster on d64-full than MN-major (rows contiguous), and MN-major at 64 rows,
+  // where K-major was 3% slower on d128-full (benchmarks/NOTES.md, session 14).
   static constexpr bool kDqSplitsRows = kBlockM == 128;
+  static constexpr bool kDsKMajor = kDqSplitsRows;
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<Int<kBlockM>, Int<kDqSplitsRows ? kHeadDim : kHeadDim / 2>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
+                           kDsKMajor ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
       std::conditional_t<kDqSplitsRows, SplitM, SplitN>{}));
   // lse and delta of a thread's rows go to registers while the step's first products run at 64
   // rows (16 values each); at 128 rows (32 each) they do not fit and are read at use. There
@@ -96,20 +102,26 @@ struct BwdTraits {
   using KMajor = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kRows>, Int<kCols>>(),
       Shape<Int<kRows>, Int<kCols>, Int<kDepth>>{}));
-  // Q and dO [rows, dim] x stages, K and V [keys, dim], dS^T [keys, rows] x 2 buffers: dim (or
-  // rows, for dS^T) contiguous, as TMA lands them.
+  // Q and dO [rows, dim] x stages, K and V [keys, dim]: dim contiguous, as TMA lands them.
+  // dS x 2 buffers: [rows, keys] keys contiguous (kDsKMajor: a transposing stmatrix turns the
+  // accumulator's dS^T around, as FlashAttention-3 does), else dS^T [keys, rows] rows contiguous.
   using SmemLayoutQ = KMajor<kBlockM, kHeadDim, kStages>;
   using SmemLayoutK = KMajor<kBlockN, kHeadDim, 1>;
-  using SmemLayoutdSt = KMajor<kBlockN, kBlockM, 2>;
-  // Transposed views of the same bytes, for the MN-major operands: Q^T and dO^T [dim, rows],
-  // K^T [dim, keys], dS [rows, keys].
+  // Transposed views of the same bytes: Q^T and dO^T [dim, rows] and K^T [dim, keys] for the
+  // MN-major operands; dS [rows, keys] or dS^T [keys, rows], whichever is not the stored one.
   using SmemLayoutQt = decltype(composition(SmemLayoutQ{},
       make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
                   Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
   using SmemLayoutKt = decltype(composition(SmemLayoutK{},
       make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, _1>{}, Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
-  using SmemLayoutdS = decltype(composition(SmemLayoutdSt{},
-      make_layout(Shape<Int<kBlockM>, Int<kBlockN>, _2>{}, Stride<Int<kBlockN>, _1, Int<kBlockN * kBlockM>>{})));
+  using SmemLayoutdSStored = std::conditional_t<kDsKMajor, KMajor<kBlockM, kBlockN, 2>, KMajor<kBlockN, kBlockM, 2>>;
+  using SmemLayoutdS = std::conditional_t<kDsKMajor, SmemLayoutdSStored,
+      decltype(composition(SmemLayoutdSStored{}, make_layout(Shape<Int<kBlockM>, Int<kBlockN>, _2>{},
+                                                             Stride<Int<kBlockN>, _1, Int<kBlockN * kBlockM>>{})))>;
+  using SmemLayoutdSt = std::conditional_t<!kDsKMajor, SmemLayoutdSStored,
+      decltype(composition(SmemLayoutdSStored{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
+                                                             Stride<Int<kBlockM>, _1, Int<kBlockN * kBlockM>>{})))>;
+  using CopyAtomdS = Copy_Atom<std::conditional_t<kDsKMajor, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>, Element>;
 
   using Shape4 = Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, dim, heads, batch)
   using StrideRows = Stride<int64_t, _1, int64_t, int64_t>;
@@ -137,7 +149,7 @@ struct alignas(1024) BwdSharedStorage {
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutQ>, 1024> d_out;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> v;
-  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSt>, 1024> d_s;
+  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSStored>, 1024> d_s;
   alignas(128) float d_q[2][2][Tr::kDqHalf];  // dQ partials [buffer][consumer warpgroup's half]
   float lse2[Tr::kStages][Tr::kBlockM];   // lse * log2 e of the step's rows, +inf past Sq
   float delta[Tr::kStages][Tr::kBlockM];  // delta of the step's rows, 0 past Sq
@@ -397,8 +409,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, M, K, buffers)
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt(_, _, 0));
-  // dS^T to shared memory by stmatrix: 8x8 tiles of the accumulator, rows (of Q) contiguous.
-  auto copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  // dS^T to shared memory by stmatrix: 8x8 tiles of the accumulator (transposed if kDsKMajor).
+  auto copy_ds = make_tiled_copy_C(typename Tr::CopyAtomdS{}, mma_sdp);
   auto thr_copy_ds = copy_ds.get_thread_slice(ct);
   Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);  // (copy, keys, rows, buffers)
   // (key, row) of this thread's S^T elements and (key, column) of its dK/dV elements.
@@ -440,6 +452,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     named_sync(kBwdOwnBarrier + wg, 128);
   };
 
+  // An allowed pair of a real row i and key j has j - i < diag (mask.h: limit = i + n - len_q + 1).
+  const int diag = p.is_causal ? blk.n - blk.len_q + 1 : INT_MAX;
   int stage = 0, phase = 0, step = 0;
   for (int h = h0; h < h0 + group; ++h) {
     for (int m = blk.m_lo; m < blk.m_end; ++m, ++step) {
@@ -480,9 +494,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           z = z_cap * tanh_t[i];
         }
         float prob = ex2_approx(z - stat(lse2, ss.lse2[stage], i));
-        if (masked) {
-          const int limit = row < blk.len_q ? int(allowed_keys(row, blk.n, blk.len_q, p.is_causal)) : 0;
-          if (key0 + int(get<0>(cS(i))) >= limit) prob = 0.0f;
+        if (masked) {  // allowed_keys() without its 64-bit clamps: real row, real key, not past the diagonal
+          const int key = key0 + int(get<0>(cS(i)));
+          if (row >= blk.len_q || key >= blk.n || key - row >= diag) prob = 0.0f;
         }
         tSrS(i) = prob;
       }
