@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_varlen._autodiff import attention_with_grad
+from jax_varlen._autodiff import attention_with_grad, packed_attention_with_grad
 from jax_varlen._config import AttentionConfig
 
 _FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
@@ -79,12 +80,12 @@ def _heads(name: str, value, given) -> int:
     return int(value)
 
 
-def split_heads(name: str, x, heads: int, heads_name: str):
+def split_heads(name: str, x, heads: int, heads_name: str, hint: str = ""):
     """[..., heads * d] -> [..., heads, d] (padded [B, S, ...], packed [T, ...])."""
     if x.shape[-1] % heads:
         raise ValueError(
             f"{name}'s last dimension ({x.shape[-1]}) must be a multiple of {heads_name} "
-            f"({heads}); {name} has shape {tuple(x.shape)}"
+            f"({heads}); {name} has shape {tuple(x.shape)}{hint}"
         )
     return x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
 
@@ -116,11 +117,19 @@ def split_or_check_heads(query, key, value, num_heads, kv_num_heads, merged: boo
     if merged:
         if num_heads is None:
             raise ValueError(f"num_heads is required for {merged_name}; got None")
+        kv_given = kv_num_heads is not None
         num_heads = _heads("num_heads", num_heads, None)
         kv_num_heads = _heads("kv_num_heads", kv_num_heads, num_heads)
+        # Without kv_num_heads the key heads are num_heads: say so, not "kv_num_heads (4)".
+        kv_name = "kv_num_heads" if kv_given else "kv_num_heads, which defaults to num_heads"
+        kv_hint = "" if kv_given else "; pass kv_num_heads for grouped-query attention"
         query = split_heads("query", query, num_heads, "num_heads")
-        key = split_heads("key", key, kv_num_heads, "kv_num_heads")
-        value = split_heads("value", value, kv_num_heads, "kv_num_heads")
+        key = split_heads("key", key, kv_num_heads, kv_name, kv_hint)
+        value = split_heads("value", value, kv_num_heads, kv_name, kv_hint)
+        if kv_num_heads and num_heads % kv_num_heads:
+            raise ValueError(
+                f"kv_num_heads = {kv_num_heads} must divide num_heads = {num_heads} (each kv "
+                f"head serves num_heads / kv_num_heads query heads)")
     else:
         for name, given, x, axis_name in (
             ("num_heads", num_heads, query, "query"),
@@ -131,6 +140,12 @@ def split_or_check_heads(query, key, value, num_heads, kv_num_heads, merged: boo
                     f"{name}={given} does not match {axis_name}'s head axis: "
                     f"{axis_name} has shape {tuple(x.shape)}"
                 )
+        H, Hkv = query.shape[-2], key.shape[-2]
+        if Hkv and H % Hkv:
+            raise ValueError(
+                f"key has {Hkv} heads and query has {H}: query's head count must be a "
+                f"multiple of key's (each kv head serves H / Hkv query heads); query has shape "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}")
     return query, key, value
 
 
@@ -164,8 +179,8 @@ def check_shapes(query, key, value) -> None:
         raise ValueError(
             f"value's head count must equal key's ({Hkv}), got value shape {tuple(value.shape)}"
         )
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"kv_num_heads ({Hkv}) must divide num_heads ({H})")
+    if Hkv == 0:
+        raise ValueError(f"key must have at least one head, got key shape {tuple(key.shape)}")
     if key.shape[-1] != D:
         raise ValueError(
             f"key's head size must equal query's ({D}), got key shape {tuple(key.shape)}"
@@ -178,30 +193,40 @@ def check_shapes(query, key, value) -> None:
         )
 
 
-def check_lengths(nonpad_kv_seqlen, batch: int, seqlen_k: int):
-    """Checks [B] int32/int64 lengths; returns them as int32."""
-    check_array("nonpad_kv_seqlen", nonpad_kv_seqlen)
-    if nonpad_kv_seqlen.dtype not in _LENGTH_DTYPES:
-        raise TypeError(
-            f"nonpad_kv_seqlen must be int32 or int64, got {dtype_name(nonpad_kv_seqlen.dtype)}"
-        )
-    if nonpad_kv_seqlen.shape != (batch,):
-        raise ValueError(
-            f"nonpad_kv_seqlen must have shape [B] = ({batch},), got {tuple(nonpad_kv_seqlen.shape)}"
-        )
-    if not isinstance(nonpad_kv_seqlen, jax.core.Tracer):
-        lengths = np.asarray(nonpad_kv_seqlen)
-        bad = np.flatnonzero((lengths < 0) | (lengths > seqlen_k))
+def as_lengths(name: str, lengths):
+    """Python lists and tuples of ints become NumPy arrays (as ``jnp.asarray`` would take
+    them), checked and narrowed to int32 like NumPy lengths; arrays and tracers pass as they
+    are."""
+    if isinstance(lengths, (list, tuple)):
+        try:
+            return np.asarray(lengths)
+        except ValueError as e:  # ragged nesting
+            raise ValueError(f"{name} must be a [B] sequence of ints, got {lengths!r}") from e
+    return lengths
+
+
+def check_lengths(name: str, lengths, batch: int, extent: int, extent_name: str):
+    """Checks ``[B]`` int32/int64 per-sequence counts in ``[0, extent]`` (``nonpad_kv_seqlen``
+    against ``Skv``, ``nonpad_q_seqlen`` against ``Sq``); returns them as int32."""
+    lengths = as_lengths(name, lengths)
+    check_array(name, lengths)
+    if lengths.dtype not in _LENGTH_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {dtype_name(lengths.dtype)}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name} must have shape [B] = ({batch},), got {tuple(lengths.shape)}")
+    if not isinstance(lengths, jax.core.Tracer):
+        values = np.asarray(lengths)
+        bad = np.flatnonzero((values < 0) | (values > extent))
         if bad.size:
             i = int(bad[0])
             raise ValueError(
-                f"nonpad_kv_seqlen[{i}] = {int(lengths[i])} is out of range: expected "
-                f"0 <= n <= Skv = {seqlen_k}"
+                f"{name}[{i}] = {int(values[i])} is out of range: expected "
+                f"0 <= n <= {extent_name} = {extent}"
             )
     # Traced lengths reach the primitive as they are (kernels clamp them; checkify reports
-    # them, _checkify.py); int64 is narrowed after a clip to [-1, Skv + 1], which keeps an
+    # them, _checkify.py); int64 is narrowed after a clip to [-1, extent + 1], which keeps an
     # out-of-range value out of range instead of letting it wrap.
-    return jnp.clip(nonpad_kv_seqlen, -1, seqlen_k + 1).astype(jnp.int32)
+    return jnp.clip(lengths, -1, extent + 1).astype(jnp.int32)
 
 
 def make_config(head_dim: int, scale, is_causal, softcap) -> AttentionConfig:
@@ -227,6 +252,7 @@ def attention(
     value,
     nonpad_kv_seqlen,
     *,
+    nonpad_q_seqlen=None,
     num_heads=None,
     kv_num_heads=None,
     scale=None,
@@ -241,14 +267,23 @@ def attention(
         inputs are canonicalized as JAX does: float64 becomes float32 unless x64 is on).
       key: ``[B, Skv, Hkv, D]`` or ``[B, Skv, Hkv*D]``; the dtype of ``query``.
       value: ``[B, Skv, Hkv, Dv]`` or ``[B, Skv, Hkv*Dv]``; ``Dv`` may differ from ``D``.
-      nonpad_kv_seqlen: int32 or int64 ``[B]``: keys ``j < n_b`` of sequence ``b`` are real;
-        the rest is padding that is never read (it may hold NaN) and never costs compute.
+      nonpad_kv_seqlen: int32 or int64 ``[B]`` (or a list of ints): keys ``j < n_b`` of
+        sequence ``b`` are real; the rest is padding that is never read (it may hold NaN) and
+        never costs compute.
+      nonpad_q_seqlen: optional int32 or int64 ``[B]`` (or a list of ints); default ``None``:
+        every one of the ``Sq`` query rows is real. Query rows ``i >= n_q[b]`` are padding:
+        never read (they may hold NaN), no compute spent on them, zero output, ``lse = -inf``
+        and zero gradient. A right-padded causal prefill passes the same counts for both.
       num_heads: ``H``; required for rank-3 inputs, checked against rank-4 ones.
       kv_num_heads: ``Hkv`` (defaults to ``num_heads``); must divide ``H`` (MHA, GQA, MQA).
         Query head ``h`` reads kv head ``h // (H // Hkv)``.
       scale: multiplies ``<q, k>``; defaults to ``1/sqrt(D)``.
       is_causal: tail-aligned (bottom-right) causal mask: query ``i`` sees key ``j`` iff
-        ``j <= i + n_b - Sq``. The queries are the last ``Sq`` positions of the ``n_b`` keys.
+        ``j <= i + n_b - n_q[b]`` (``n_q[b] = Sq`` without ``nonpad_q_seqlen``): the real
+        queries are the last ``n_q[b]`` positions of the ``n_b`` keys. Decode and chunked
+        prefill (new queries after a cache) need nothing more; a right-padded prefill
+        (queries and keys the same tokens, padded at the end) must pass
+        ``nonpad_q_seqlen=nonpad_kv_seqlen``, or its short sequences' rows are shifted.
       softcap: ``0`` is off; otherwise scores become ``softcap * tanh(s / softcap)`` before
         masking (Gemma 2 style).
       return_lse: also return the float32 log-sum-exp ``[B, H, Sq]`` (natural log).
@@ -259,25 +294,40 @@ def attention(
 
     Returns:
       ``out`` ``[B, Sq, H, Dv]`` with the rank and dtype of ``query`` (``[B, Sq, H*Dv]`` for
-      rank 3); with ``return_lse`` the pair ``(out, lse)``. Rows with no allowed key
-      (``n_b = 0``, or the leading ``Sq - n_b`` rows under causal) are zero, with lse
+      rank 3); with ``return_lse`` the pair ``(out, lse)``. Padded query rows and rows with
+      no allowed key (``n_b = 0``, or the leading ``n_q[b] - n_b`` rows under causal) are zero, with lse
       ``-inf``: decided by the count of allowed keys, never by the values. A row that allows a
       NaN or Inf (in its query or an allowed key or value) gives what the math gives (NaN).
 
     Raises:
       TypeError, ValueError: at trace time, naming the argument, the expected and the given
         value. Concrete out-of-range lengths raise ``ValueError``; traced ones are clamped into
-        ``[0, Skv]`` and reported under ``jax.experimental.checkify``. Forward-mode
+        ``[0, Skv]`` (``[0, Sq]`` for ``nonpad_q_seqlen``) and reported under
+        ``jax.experimental.checkify``. Forward-mode
         differentiation raises ``TypeError`` and second-order gradients
         ``NotImplementedError`` (reverse mode, first order, is supported).
     """
     rank = getattr(query, "ndim", None)
     query, key, value = normalize_heads(query, key, value, num_heads, kv_num_heads)
     check_shapes(query, key, value)
-    lengths = check_lengths(nonpad_kv_seqlen, query.shape[0], key.shape[1])
+    B, Sq, Skv = query.shape[0], query.shape[1], key.shape[1]
+    lengths = check_lengths("nonpad_kv_seqlen", nonpad_kv_seqlen, B, Skv, "Skv")
     config = make_config(query.shape[3], scale, is_causal, softcap)
     return_lse = check_flag("return_lse", return_lse)
-    out, lse = attention_with_grad(query, key, value, lengths, config)
+    if nonpad_q_seqlen is None:
+        out, lse = attention_with_grad(query, key, value, lengths, config)
+    else:
+        # Per-sequence query counts: every sequence is a pack of its own with offsets [0, n_q]
+        # and [0, n_kv] (ffi/params.h), so the packed primitive's kernels, which skip rows past
+        # a sequence's length, serve the call unchanged: [B, Sq, H, D] is [N = B packs, Tq =
+        # Sq rows, H, D] and lse [B, H, Sq] is [N, H, Tq].
+        q_lengths = check_lengths("nonpad_q_seqlen", nonpad_q_seqlen, B, Sq, "Sq")
+        config = dataclasses.replace(config, max_seqlen_q=Sq, max_seqlen_k=Skv,
+                                     padded_lengths=True)
+        zero = jnp.zeros_like(lengths)
+        out, lse = packed_attention_with_grad(
+            query, key, value, jnp.stack([zero, q_lengths], axis=1),
+            jnp.stack([zero, lengths], axis=1), config)
     if rank == 3:
         out = out.reshape(out.shape[:2] + (-1,))
     return (out, lse) if return_lse else out

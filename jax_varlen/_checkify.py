@@ -48,6 +48,13 @@ def _register(primitive, checks) -> None:
     _checkify.error_checks[primitive] = rule
 
 
+def lengths_check(name: str, lengths, extent: int, extent_name: str):
+    """The check of ``[B]`` counts (``nonpad_kv_seqlen``, ``nonpad_q_seqlen``) that must lie in
+    ``[0, extent]``."""
+    return (jnp.any((lengths < 0) | (lengths > extent)),
+            f"{name} must lie in [0, {extent_name}={extent}]; out-of-range values are clamped")
+
+
 def register_lengths_check(primitive, lengths_index: int, seqlen_k_of) -> None:
     """Reports ``nonpad_kv_seqlen`` outside ``[0, Skv]`` for ``primitive`` under checkify.
 
@@ -57,11 +64,8 @@ def register_lengths_check(primitive, lengths_index: int, seqlen_k_of) -> None:
     """
 
     def checks(*operands, **params):
-        seqlen_k = seqlen_k_of(*operands)
-        lengths = operands[lengths_index]
-        return [(jnp.any((lengths < 0) | (lengths > seqlen_k)),
-                 f"nonpad_kv_seqlen must lie in [0, Skv={seqlen_k}]; out-of-range values "
-                 "are clamped")]
+        return [lengths_check("nonpad_kv_seqlen", operands[lengths_index],
+                              seqlen_k_of(*operands), "Skv")]
 
     _register(primitive, checks)
 
@@ -99,9 +103,14 @@ def cu_seqlens_checks(name: str, cu_seqlens, rows: int, hint: int, hint_name: st
 def register_cu_seqlens_check(primitive) -> None:
     """Reports malformed ``cu_seqlens_q``/``cu_seqlens_k`` (operands 3 and 4 of the packed
     primitives: not starting at 0, decreasing, past the token count, or with a sequence longer
-    than its ``max_seqlen`` hint) under checkify; the kernels clamp them otherwise."""
+    than its ``max_seqlen`` hint) under checkify; the kernels clamp them otherwise. When the
+    primitive serves ``attention(..., nonpad_q_seqlen=...)`` (``config.padded_lengths``), the
+    counts are reported under their own names."""
 
     def checks(query, key, value, cu_seqlens_q, cu_seqlens_k, *rest, config):
+        if config.padded_lengths:  # attention() with nonpad_q_seqlen: offsets [[0, n]] per pack
+            return [lengths_check("nonpad_q_seqlen", cu_seqlens_q[:, 1], query.shape[1], "Sq"),
+                    lengths_check("nonpad_kv_seqlen", cu_seqlens_k[:, 1], key.shape[1], "Skv")]
         return (cu_seqlens_checks("cu_seqlens_q", cu_seqlens_q, query.shape[1],
                                   config.max_seqlen_q, "max_seqlen_q")
                 + cu_seqlens_checks("cu_seqlens_k", cu_seqlens_k, key.shape[1],

@@ -16,6 +16,9 @@ class AttentionConfig:
       max_seqlen_q, max_seqlen_k: the packed layout only (``None`` for the padded batch): the
         longest sequence's query and key rows, already resolved (``Tq``/``Tk`` when not given);
         they size the kernels' grids and longer sequences are clamped to them.
+      padded_lengths: the packed primitive serves :func:`jax_varlen.attention` with
+        ``nonpad_q_seqlen``: every pack is one padded sequence, its offsets ``[0, n_q]`` and
+        ``[0, n_kv]``; checks then name those arguments (``_checkify.py``).
     """
 
     scale: float
@@ -23,3 +26,4 @@ class AttentionConfig:
     softcap: float = 0.0
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    padded_lengths: bool = False

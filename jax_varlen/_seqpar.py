@@ -106,7 +106,7 @@ def sequence_parallel_attention(
     check_shapes(query, key, value)
     B, Sq, H, D = query.shape
     Skv, Hkv = key.shape[1], key.shape[2]
-    lengths = check_lengths(nonpad_kv_seqlen, B, Skv)
+    lengths = check_lengths("nonpad_kv_seqlen", nonpad_kv_seqlen, B, Skv, "Skv")
     config = make_config(D, scale, is_causal, softcap)
     return_lse = check_flag("return_lse", return_lse)
 

@@ -30,6 +30,7 @@ def reference(
     value,
     nonpad_kv_seqlen,
     *,
+    nonpad_q_seqlen=None,
     num_heads=None,
     kv_num_heads=None,
     scale=None,
@@ -45,17 +46,20 @@ def reference(
       value: `[B, Skv, Hkv, Dv]`, or `[B, Skv, Hkv*Dv]`.
       nonpad_kv_seqlen: `[B]` ints; keys `j >= n_b` are padding (any bits, NaN included).
         Values outside `[0, Skv]` are clamped into it.
+      nonpad_q_seqlen: optional `[B]` ints (default `Sq` for every sequence); query rows
+        `i >= n_q` are padding (any bits, NaN included): zero output, `lse = -inf`. Values
+        outside `[0, Sq]` are clamped into it.
       num_heads, kv_num_heads: head counts, needed only for rank-3 inputs.
       scale: multiplies `<q, k>`; default `1/sqrt(D)`.
       is_causal: tail-aligned (bottom-right) causal mask: key `j` is allowed for query `i`
-        iff `j <= i + (n - Sq)`.
+        iff `j <= i + (n - n_q)` (`n_q = Sq` without `nonpad_q_seqlen`).
       softcap: if `> 0`, scores become `softcap * tanh(s / softcap)` before masking.
       return_lse: also return the log-sum-exp of the allowed scores.
 
     Returns:
       `out` with the rank and dtype of `query` (`[B, Sq, H, Dv]` or `[B, Sq, H*Dv]`); with
       `return_lse`, `(out, lse)` where `lse` is float32 `[B, H, Sq]`. A query row with no
-      allowed key gives zeros and `lse = -inf`.
+      allowed key (padded query rows included) gives zeros and `lse = -inf`.
     """
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0, got {softcap}")
@@ -77,15 +81,24 @@ def reference(
     n = jnp.clip(jnp.asarray(nonpad_kv_seqlen).astype(jnp.int32), 0, seqlen_k)
     kv_valid = jnp.arange(seqlen_k)[None, :] < n[:, None]  # [B, Skv]
 
-    # allowed: [B, 1, Sq, Skv]. Worked example, causal, Sq=3, n=5: query 0 sees keys 0..2,
-    # query 2 sees keys 0..4. With n=1 < Sq=3, queries 0 and 1 see nothing.
+    # n_q: [B] real query rows, clamped into [0, Sq] (every row without nonpad_q_seqlen).
+    if nonpad_q_seqlen is None:
+        n_q = jnp.full((batch,), seqlen_q, jnp.int32)
+    else:
+        n_q = jnp.clip(jnp.asarray(nonpad_q_seqlen).astype(jnp.int32), 0, seqlen_q)
+    q_valid = jnp.arange(seqlen_q)[None, :] < n_q[:, None]  # [B, Sq]
+
+    # allowed: [B, 1, Sq, Skv]. Worked example, causal, n_q=3, n=5: query 0 sees keys 0..2,
+    # query 2 sees keys 0..4. With n=1 < n_q=3, queries 0 and 1 see nothing. With n_q = n
+    # (a right-padded prefill) query i sees keys 0..i.
     i = jnp.arange(seqlen_q)[:, None]
     j = jnp.arange(seqlen_k)[None, :]
     nb = n[:, None, None, None]
-    allowed = j < nb
+    allowed = (j < nb) & q_valid[:, None, :, None]
     if is_causal:
-        allowed = allowed & (j <= i + (nb - seqlen_q))
-    out, lse = _masked_attention(query, key, value, kv_valid, allowed, scale, softcap)
+        allowed = allowed & (j <= i + (nb - n_q[:, None, None, None]))
+    out, lse = _masked_attention(query, key, value, kv_valid, allowed, scale, softcap,
+                                 q_valid=q_valid)
     if rank3:
         out = out.reshape(batch, seqlen_q, -1)
     return (out, lse) if return_lse else out

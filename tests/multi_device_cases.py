@@ -105,6 +105,33 @@ def test_sharded_jit_no_collectives(explicit, layout, dtype, heads, kw):
     assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
 
 
+@pytest.mark.parametrize("layout", ["batch", "heads", "both"])
+def test_query_counts_sharded_no_collectives(layout):
+    """attention(..., nonpad_q_seqlen=...) splits over batch and heads with no communication,
+    forward and gradients, and gives the single-device bits."""
+    n_q = [5, 0, 3, 5, 1, 4, 2, 5]
+    q, k, v, n = make_inputs(B, SQ, SKV, 8, 4, D, DV, jnp.float32, LENGTHS, seed=13, pad_value=0.0)
+    nq = jnp.asarray(n_q, jnp.int32)
+
+    def f(q, k, v, n, nq):
+        return jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq, is_causal=True,
+                                    return_lse=True)
+
+    def loss(q, k, v, n, nq):
+        return jnp.sum(f(q, k, v, n, nq)[0] ** 2)
+
+    fwd, grad = jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    args = (q, k, v, n, nq)
+    ref_fwd, ref_grad = fwd(*args), grad(*args)
+    b, h = LAYOUTS[layout]
+    qkv = P(b, None, h, None)
+    sharded = _put(_mesh(), args, (qkv, qkv, qkv, P(b), P(b)))
+    for fn, ref in ((fwd, ref_fwd), (grad, ref_grad)):
+        assert _collectives(fn.lower(*sharded).compile().as_text()) == []
+        for got, want in zip(fn(*sharded), ref):
+            assert bits(got) == bits(want)
+
+
 def test_sharded_jit_rank3_gqa():
     q, k, v, n = make_inputs(B, SQ, SKV, 8, 4, D, DV, jnp.float32, LENGTHS, seed=12, rank=3)
     f = jax.jit(functools.partial(jax_varlen.attention, num_heads=8, kv_num_heads=4))

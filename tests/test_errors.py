@@ -64,7 +64,11 @@ CASES = {
     "rank3-kv_num_heads-not-dividing": (
         lambda: _args((B, SQ, 4 * D), (B, SKV, 3 * D), (B, SKV, 3 * DV), num_heads=4,
                       kv_num_heads=3),
-        ValueError, r"kv_num_heads \(3\) must divide num_heads \(4\)", True),
+        ValueError, r"kv_num_heads = 3 must divide num_heads = 4", True),
+    "rank3-kv_num_heads-defaulted": (  # the user gave no kv_num_heads: the message says so
+        lambda: _args((B, SQ, 4 * D), (B, SKV, 3 * D), (B, SKV, 3 * DV), num_heads=4),
+        ValueError, r"value's last dimension \(18\) must be a multiple of kv_num_heads, "
+                    r"which defaults to num_heads \(4\).*pass kv_num_heads for grouped", True),
     "num_heads-mismatch-rank4": (lambda: (_good(), dict(num_heads=3)), ValueError,
                                  r"num_heads=3 does not match query's head axis.*\(2, 5, 4, 8\)",
                                  True),
@@ -73,7 +77,8 @@ CASES = {
         r"kv_num_heads=4 does not match key's head axis.*\(2, 7, 2, 8\)", True),
     "kv_num_heads-not-dividing": (
         lambda: _args((B, SQ, 4, D), (B, SKV, 3, D), (B, SKV, 3, DV)),
-        ValueError, r"kv_num_heads \(3\) must divide num_heads \(4\)", True),
+        ValueError, r"key has 3 heads and query has 4: query's head count must be a multiple "
+                    r"of key's.*\(2, 5, 4, 8\), key \(2, 7, 3, 8\)", True),
     "value-heads-differ": (lambda: _with(2, _arr((B, SKV, 1, DV))), ValueError,
                            r"value's head count must equal key's \(2\).*\(2, 7, 1, 6\)", True),
     "qk-head-size": (lambda: _with(1, _arr((B, SKV, HKV, D + 1))), ValueError,
