@@ -3,7 +3,11 @@ importable, FlashAttention-3's JAX binding (flash-attn3-jax, impl "fa3") on name
 the forward ("fwd"), and a training step ("train": forward + backward of sum(out * dO) through
 jax.vjp) with the backward alone ("bwd"). The packed layout: jax_varlen.packed_attention
 ("jax_varlen_packed") and FA3's flash_mha_varlen ("fa3_packed") on the same valid tokens with
-the padding dropped (class Packed).
+the padding dropped (class Packed). A shape with `lengths_q` (padded query rows, e.g.
+prefill-right-padded) passes them as nonpad_q_seqlen / query_seq_lengths / seqused_q; a shape
+an impl cannot run (paged or windowed shapes, a packed-layout shape for a padded impl, padded
+query rows for an impl without a query-length argument) gets a record with the reason in
+`skipped` (skip_reason).
 
 On a GPU machine:   python3 benchmarks/bench.py [--shapes d128-full,...] [--decode] [--quick]
                     python3 benchmarks/bench.py --passes train      # train + bwd records
@@ -19,6 +23,7 @@ import argparse
 import datetime
 import functools
 import importlib.metadata
+import inspect
 import json
 import math
 import os
@@ -44,9 +49,14 @@ PACKED_IMPLS = (OURS_PACKED, FA3_PACKED)
 SMOKE_DIV = 32  # --cpu-smoke divides Sq, Skv and lengths by this and keeps B <= 2
 L2_BYTES = 50 << 20  # H200 L2; inputs below 4x this are rotated among 3 sets
 CHECK_SEQS = 2  # sequences compared against the fp32 reference
-# Training records (issue 12): these shapes, these impls (XLA's padded backward is not a peer).
+# Forward records by default (issue 11's shapes and issue 31's prefill-right-padded); the other
+# shapes of shapes.json run when named (--shapes, or --shapes all).
+FWD_SHAPES = ("d128-full", "d128-skewed", "d128-causal-full", "d128-causal-skewed", "d64-full",
+              "d64-skewed", "d128-long-causal", "d128-long-causal-skewed", "prefill-right-padded")
+# Training records (issues 12, 31): these shapes, these impls (XLA's padded backward is not a
+# peer).
 TRAIN_SHAPES = ("d128-full", "d128-skewed", "d128-causal-full", "d128-causal-skewed",
-                "d64-full", "d64-skewed")
+                "d64-full", "d64-skewed", "prefill-right-padded")
 TRAIN_IMPLS = "jax_varlen,cudnn,fa3,jax_varlen_packed,fa3_packed"
 EXTRA_DTYPES = "float16:d128-full,d128-skewed"  # forward only (issue 11)
 # (repeats, seconds per repeat): forward, forward --quick, train/bwd, train/bwd --quick
@@ -55,10 +65,12 @@ TIMING = {"fwd": (7, 0.3), "fwd-quick": (3, 0.05), "train": (3, 0.2), "train-qui
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", help="comma-separated names from shapes.json (default: all "
-                   "non-decode shapes, --decode adds decode shapes; for --passes train, "
-                   "--train-shapes)")
+    p.add_argument("--shapes", help="comma-separated names from shapes.json, or 'all' (every "
+                   "non-decode shape; --decode adds the decode shapes); default: --fwd-shapes "
+                   "(plus the decode shapes with --decode) and --train-shapes")
     p.add_argument("--decode", action="store_true", help="include decode shapes (Sq == 1)")
+    p.add_argument("--fwd-shapes", default=",".join(FWD_SHAPES),
+                   help="forward shapes when --shapes is not given")
     p.add_argument("--passes", choices=("fwd", "train", "both"), default="fwd",
                    help="fwd: forward records; train: train + bwd records; both (default fwd)")
     p.add_argument("--impls", default="jax_varlen,cudnn,fa3,xla,jax_varlen_packed,fa3_packed",
@@ -92,17 +104,21 @@ def parse_args(argv=None):
 # Shapes and inputs
 
 def load_shapes():
+    """shapes.json's shapes (a copy of the project's shared list), each with its padded
+    rectangle (B, Sq, Skv; bench_metrics.padded_extent fills them in for a packed shape)."""
     with open(os.path.join(HERE, "shapes.json")) as f:
-        return json.load(f)["shapes"]
+        return {n: metrics.padded_extent(s) for n, s in json.load(f)["shapes"].items()}
 
 
 def select_shapes(all_shapes, names, decode):
-    if names:
-        unknown = [n for n in names.split(",") if n not in all_shapes]
-        if unknown:
-            sys.exit(f"unknown shapes {unknown}; known: {list(all_shapes)}")
-        return {n: all_shapes[n] for n in names.split(",")}
-    return {n: s for n, s in all_shapes.items() if decode or s["Sq"] != 1}
+    """names: comma-separated shape names or 'all' (every non-decode shape, decode ones too
+    with `decode`)."""
+    if names == "all":
+        return {n: s for n, s in all_shapes.items() if decode or s["Sq"] != 1}
+    unknown = [n for n in names.split(",") if n not in all_shapes]
+    if unknown:
+        sys.exit(f"unknown shapes {unknown}; known: {list(all_shapes)}")
+    return {n: all_shapes[n] for n in names.split(",")}
 
 
 def parse_extra_dtypes(values, selected):
@@ -120,11 +136,14 @@ def parse_extra_dtypes(values, selected):
 
 def shrink(shape):
     """--cpu-smoke: e.g. d128-skewed B=8, Sq=Skv=4096, lengths [4096, 685, ...]
-    -> B=2, Sq=Skv=128, lengths [128, 21]. Decode keeps Sq = 1; lengths stay >= 1."""
+    -> B=2, Sq=Skv=128, lengths [128, 21] (lengths_q alike). Decode keeps Sq = 1; lengths stay
+    >= 1."""
     s = {k: v for k, v in shape.items() if not k.startswith("measured")}  # H200 numbers
     s["Sq"] = max(1, shape["Sq"] // SMOKE_DIV)
     s["Skv"] = max(1, shape["Skv"] // SMOKE_DIV)
     s["lengths"] = [min(s["Skv"], max(1, n // SMOKE_DIV)) for n in shape["lengths"][:2]]
+    if "lengths_q" in shape:
+        s["lengths_q"] = [min(s["Sq"], max(1, n // SMOKE_DIV)) for n in shape["lengths_q"][:2]]
     s["B"] = len(s["lengths"])
     return s
 
@@ -137,7 +156,8 @@ def input_bytes(shape, itemsize):
 
 
 def make_inputs(shape, dtype, seed, index):
-    """One input set (q, k, v, lengths); set `index` uses its own random stream."""
+    """One input set (q, k, v, lengths); set `index` uses its own random stream. Padded query
+    rows (lengths_q) are random too: the impls must not read them."""
     b, sq, skv, h, hkv = shape["B"], shape["Sq"], shape["Skv"], shape["H"], shape["Hkv"]
     kq, kk, kv = jax.random.split(jax.random.fold_in(jax.random.key(seed), index), 3)
     q = jax.random.normal(kq, (b, sq, h, shape["D"]), dtype)  # [B, Sq, H, D]
@@ -147,51 +167,85 @@ def make_inputs(shape, dtype, seed, index):
     return jax.block_until_ready((q, k, v, lengths))
 
 
+def make_set(shape, dtype, seed, index):
+    """make_inputs(), plus lengths_q [B] int32 when some query rows are padding:
+    (q, k, v, lengths[, lengths_q]). The padded impls take lengths_q as an optional fifth
+    argument."""
+    inputs = make_inputs(shape, dtype, seed, index)
+    if not metrics.has_q_padding(shape):
+        return inputs
+    return (*inputs, jnp.asarray(metrics.q_lengths(shape), jnp.int32))
+
+
 def make_dout(shape, dtype, seed, index):
-    """The output cotangent dO [B, Sq, H, Dv] of input set `index` (its own random stream)."""
+    """The output cotangent dO [B, Sq, H, Dv] of input set `index` (its own random stream),
+    zero on padded query rows (i >= lengths_q[b]), as a loss over the real tokens gives."""
     key = jax.random.fold_in(jax.random.key(seed), 1000 + index)
-    return jax.random.normal(key, (shape["B"], shape["Sq"], shape["H"], shape["Dv"]), dtype)
+    dout = jax.random.normal(key, (shape["B"], shape["Sq"], shape["H"], shape["Dv"]), dtype)
+    if metrics.has_q_padding(shape):
+        real = jnp.arange(shape["Sq"])[None, :] < jnp.asarray(metrics.q_lengths(shape))[:, None]
+        dout = jnp.where(real[:, :, None, None], dout, 0).astype(dtype)
+    return dout
 
 
 class Packed:
-    """A named shape's valid tokens without the padding, for the packed impls: q [B * Sq, H, D]
-    (every query row of a named shape is real), k and v [sum(lengths), Hkv, D or Dv] (the valid
-    keys of each sequence, one after another), cu_seqlens_q = b * Sq, cu_seqlens_k = the
-    lengths' cumulative sum, and the static hints max_seqlen_q = Sq, max_seqlen_k = the longest
-    length. pack() runs before the timing; the unpack_* are for the checks only."""
+    """A named shape's valid tokens without the padding, for the packed impls: q [sum(lengths_q),
+    H, D] (the real query rows of each sequence, one after another; every row when the shape
+    has no lengths_q), k and v [sum(lengths), Hkv, D or Dv] (the valid keys), cu_seqlens_q and
+    cu_seqlens_k their cumulative sums, and the static hints max_seqlen_q / max_seqlen_k (the
+    longest of each). pack() runs before the timing; the unpack_* are for the checks only (zeros
+    on the padded rows)."""
 
     def __init__(self, shape):
         self.b, self.sq, self.skv = shape["B"], shape["Sq"], shape["Skv"]
+        self.with_lengths_q = metrics.has_q_padding(shape)  # make_set's fifth element
+        lens_q = [min(max(int(n), 0), self.sq) for n in metrics.q_lengths(shape)]
         lens = [min(max(int(n), 0), self.skv) for n in shape["lengths"]]
-        self.keys = jnp.asarray(np.concatenate(  # rows of the flattened [B * Skv] key axis
-            [b * self.skv + np.arange(n) for b, n in enumerate(lens)]).astype(np.int32))
-        self.cu_q = jnp.arange(self.b + 1, dtype=jnp.int32) * self.sq
+        self.queries = self._rows(lens_q, self.sq)  # rows of the flattened [B * Sq] query axis
+        self.keys = self._rows(lens, self.skv)  # rows of the flattened [B * Skv] key axis
+        self.cu_q = jnp.asarray(np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32))
         self.cu_k = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-        self.hints = {"max_seqlen_q": self.sq, "max_seqlen_k": max(max(lens), 1)}
+        self.hints = {"max_seqlen_q": max(max(lens_q), 1), "max_seqlen_k": max(max(lens), 1)}
 
-    def pack(self, q, k, v, lengths, *douts):
-        """(q, k, v, lengths[, dO]) padded -> (q, k, v, cu_seqlens_q, cu_seqlens_k[, dO]) packed."""
+    @staticmethod
+    def _rows(lens, extent):
+        """[0, 1, 2, 4096, 4097] for lens [3, 2], extent 4096."""
+        return jnp.asarray(np.concatenate(
+            [b * extent + np.arange(n) for b, n in enumerate(lens)]).astype(np.int32))
+
+    def pack(self, q, k, v, lengths, *rest):
+        """make_set()'s (q, k, v, lengths[, lengths_q])[, dO] padded -> (q, k, v, cu_seqlens_q,
+        cu_seqlens_k[, dO]) packed."""
         del lengths  # in cu_seqlens_k
+        douts = rest[1:] if self.with_lengths_q else rest  # lengths_q is in cu_seqlens_q
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        return jax.block_until_ready((flat(q), flat(k)[self.keys], flat(v)[self.keys], self.cu_q,
-                                      self.cu_k, *(flat(d) for d in douts)))
+        return jax.block_until_ready((flat(q)[self.queries], flat(k)[self.keys],
+                                      flat(v)[self.keys], self.cu_q, self.cu_k,
+                                      *(flat(d)[self.queries] for d in douts)))
+
+    @staticmethod
+    def _scatter(x, rows, batch, extent):
+        full = jnp.zeros((batch * extent, *x.shape[1:]), x.dtype).at[rows].set(x)
+        return full.reshape(batch, extent, *x.shape[1:])
 
     def unpack_out(self, out):
-        return out.reshape(self.b, self.sq, *out.shape[1:])
+        """out [sum(lengths_q), H, Dv] -> [B, Sq, H, Dv], zeros on the padded query rows."""
+        return self._scatter(out, self.queries, self.b, self.sq)
 
     def unpack_grads(self, grads):
-        """(dq, dk, dv) packed -> padded, zeros for the padded keys."""
+        """(dq, dk, dv) packed -> padded, zeros for the padded queries and keys."""
         d_q, d_k, d_v = grads
-
-        def keys(g):
-            full = jnp.zeros((self.b * self.skv, *g.shape[1:]), g.dtype).at[self.keys].set(g)
-            return full.reshape(self.b, self.skv, *g.shape[1:])
-        return self.unpack_out(d_q), keys(d_k), keys(d_v)
+        return (self.unpack_out(d_q), self._scatter(d_k, self.keys, self.b, self.skv),
+                self._scatter(d_v, self.keys, self.b, self.skv))
 
 
 # ---------------------------------------------------------------------------------------------
-# Implementations: name -> (fn(q, k, v, lengths, *, scale, is_causal), causal mask alignment);
-# the packed ones take Packed.pack()'s (q, k, v, cu_seqlens_q, cu_seqlens_k) and its hints.
+# Implementations: name -> (fn(q, k, v, lengths, lengths_q=None, *, scale, is_causal), causal
+# mask alignment); the packed ones take Packed.pack()'s (q, k, v, cu_seqlens_q, cu_seqlens_k)
+# and its hints.
+
+# impl -> why it cannot run a shape with padded query rows (lengths_q), set by build_impls.
+NO_Q_LENGTHS = {}
 
 def import_jax_varlen():
     """Returns (module, None) or (None, error string); a source tree is tried as a fallback."""
@@ -244,19 +298,25 @@ def fa3_default_splits(batch, heads, skv, sms=132):
 
 def fa3_fn():
     """FlashAttention-3 on our padded layout and on the packed one ((padded, packed) fns), or
-    (None, error) without it. Padded, Sq > 1: the varlen
-    forward, the rectangle flattened to [B*S, heads, dim] with cu_seqlens = b * S and
-    seqused_k = lengths, which is the same computation (its causal mask is bottom-right, like
-    ours) and has a backward (a custom_vjp). Sq == 1: the KV-cache kernel with cache_seqlens =
-    lengths and `num_splits` (forward only)."""
+    (None, error) without it. Padded, Sq > 1: the varlen forward, the rectangle flattened to
+    [B*S, heads, dim] with cu_seqlens = b * S and seqused_k = lengths, which is the same
+    computation (its causal mask is bottom-right, like ours) and has a backward (a custom_vjp);
+    padded query rows (lengths_q) go in as seqused_q where flash_mha_varlen takes it (0.2.3 does
+    not: then NO_Q_LENGTHS says so). Sq == 1: the KV-cache kernel with cache_seqlens = lengths
+    and `num_splits` (forward only)."""
     try:
         fa3 = import_fa3()
         flash_mha_varlen = fa3.flash_mha_varlen
         flash_mha_with_kvcache = fa3.flash_mha_with_kvcache
     except Exception as e:  # noqa: BLE001 - optional peer
         return None, f"import flash_attn3_jax: {type(e).__name__}: {e}"
+    if "seqused_q" not in inspect.signature(flash_mha_varlen).parameters:
+        NO_Q_LENGTHS[FA3] = (
+            f"not comparable: flash_attn3_jax {getattr(fa3, '__version__', '')}'s "
+            "flash_mha_varlen takes no seqused_q: padded query rows (lengths_q) would be "
+            "computed as real ones (causal: with the diagonal shifted)")
 
-    def fn(q, k, v, n, *, scale, is_causal, num_splits=None):
+    def fn(q, k, v, n, n_q=None, *, scale, is_causal, num_splits=None):
         b, sq, h, d = q.shape
         skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
         n = n.astype(jnp.int32)
@@ -266,10 +326,11 @@ def fa3_fn():
                                           is_causal=is_causal, num_splits=splits)
         cu_q = jnp.arange(b + 1, dtype=jnp.int32) * sq
         cu_k = jnp.arange(b + 1, dtype=jnp.int32) * skv
+        used_q = {} if n_q is None else {"seqused_q": n_q.astype(jnp.int32)}
         out = flash_mha_varlen(q.reshape(b * sq, h, d), k.reshape(b * skv, hkv, d),
                                v.reshape(b * skv, hkv, dv), cu_q, cu_k, seqused_k=n,
                                max_seqlen_q=sq, max_seqlen_k=skv, softmax_scale=scale,
-                               is_causal=is_causal)
+                               is_causal=is_causal, **used_q)
         return out.reshape(b, sq, h, dv)
 
     def packed(q, k, v, cu_q, cu_k, *, scale, is_causal, max_seqlen_q, max_seqlen_k):
@@ -279,6 +340,29 @@ def fa3_fn():
     return (fn, packed), None
 
 
+def jax_varlen_fn(jax_varlen):
+    """jax_varlen.attention as a padded impl; lengths_q goes in as nonpad_q_seqlen (where this
+    build's attention takes it: otherwise NO_Q_LENGTHS says so)."""
+    if "nonpad_q_seqlen" not in inspect.signature(jax_varlen.attention).parameters:
+        NO_Q_LENGTHS[report.OURS] = ("this build's jax_varlen.attention takes no "
+                                     "nonpad_q_seqlen (padded query rows)")
+
+    def fn(q, k, v, n, n_q=None, *, scale, is_causal):
+        used_q = {} if n_q is None else {"nonpad_q_seqlen": n_q}
+        return jax_varlen.attention(q, k, v, n, scale=scale, is_causal=is_causal, **used_q)
+    return fn
+
+
+def jax_nn_fn(implementation):
+    """jax.nn.dot_product_attention (top-left causal) as a padded impl: key_value_seq_lengths
+    = lengths and, on shapes with padded query rows, query_seq_lengths = lengths_q."""
+    def fn(q, k, v, n, n_q=None, *, scale, is_causal):
+        return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=n_q,
+                                            key_value_seq_lengths=n, scale=scale,
+                                            is_causal=is_causal, implementation=implementation)
+    return fn
+
+
 def build_impls(names, jax_varlen, import_errors):
     """{name: (fn, mask alignment)} for the importable ones; import failures go to
     import_errors[name] (recorded as errors, the run goes on)."""
@@ -286,8 +370,7 @@ def build_impls(names, jax_varlen, import_errors):
     for name in names:
         if name == report.OURS:
             if jax_varlen is not None:
-                impls[name] = (lambda q, k, v, n, *, scale, is_causal: jax_varlen.attention(
-                    q, k, v, n, scale=scale, is_causal=is_causal), metrics.TAIL)
+                impls[name] = (jax_varlen_fn(jax_varlen), metrics.TAIL)
         elif name == OURS_PACKED:
             if jax_varlen is not None:
                 impls[name] = (jax_varlen.packed_attention, metrics.TAIL)
@@ -300,10 +383,7 @@ def build_impls(names, jax_varlen, import_errors):
             else:
                 impls[name] = (fns[name == FA3_PACKED], metrics.TAIL)
         elif name in PEERS:
-            impls[name] = (lambda q, k, v, n, *, scale, is_causal, impl=name:
-                           jax.nn.dot_product_attention(
-                               q, k, v, key_value_seq_lengths=n, scale=scale,
-                               is_causal=is_causal, implementation=impl), metrics.TOP_LEFT)
+            impls[name] = (jax_nn_fn(name), metrics.TOP_LEFT)
         else:
             sys.exit(f"unknown impl {name!r}; known: {report.OURS}, {FA3}, {', '.join(PEERS)}, "
                      f"{', '.join(PACKED_IMPLS)}")
@@ -339,11 +419,13 @@ def time_ms(fn, input_sets, repeats, target_s, budget_s=None):
     return 1e3 * statistics.median(times)
 
 
-def checked_seqs(lengths, seqlen_q, align, is_causal):
+def checked_seqs(lengths, seqlen_q, align, is_causal, lengths_q=None):
     """The first CHECK_SEQS sequences where the impl's mask equals ours (a top-left causal mask
-    equals the tail-aligned one only when n_b == Sq)."""
-    return [b for b, n in enumerate(lengths[:CHECK_SEQS])
-            if align == metrics.TAIL or not is_causal or n == seqlen_q]
+    equals the tail-aligned one only when n_b == n_q, the real query rows: Sq without
+    lengths_q)."""
+    n_q = lengths_q if lengths_q is not None else [seqlen_q] * len(lengths)
+    return [b for b, (n, m) in enumerate(zip(lengths[:CHECK_SEQS], n_q))
+            if align == metrics.TAIL or not is_causal or n == m]
 
 
 def _verdict(err, tol):
@@ -354,15 +436,18 @@ def _verdict(err, tol):
     return {"max_err": err, "check": "ok" if err <= tol else "MISMATCH"}
 
 
-def check(out, ref, has_key, lengths, seqlen_q, align, is_causal):
-    """Max abs error of `out` against the fp32 reference on the checked sequences."""
-    seqs = checked_seqs(lengths, seqlen_q, align, is_causal)
+def check(out, ref, has_key, lengths, seqlen_q, align, is_causal, lengths_q=None):
+    """Max abs error of `out` against the fp32 reference on the checked sequences, over the
+    rows that see a key (has_key is False on padded query rows)."""
+    seqs = checked_seqs(lengths, seqlen_q, align, is_causal, lengths_q)
     return _verdict(metrics.max_abs_err(out, ref, has_key, seqs), metrics.MAX_ERR_TOL)
 
 
-def check_grads(grads, ref_grads, has_key, lengths, seqlen_q, align, is_causal):
-    """Worst relative error of (dq, dk, dv) against the fp32 reference's gradients."""
-    seqs = checked_seqs(lengths, seqlen_q, align, is_causal)
+def check_grads(grads, ref_grads, has_key, lengths, seqlen_q, align, is_causal,
+                lengths_q=None):
+    """Worst relative error of (dq, dk, dv) against the fp32 reference's gradients (dq on the
+    rows that see a key, dk and dv on the valid keys)."""
+    seqs = checked_seqs(lengths, seqlen_q, align, is_causal, lengths_q)
     err = metrics.max_rel_grad_err(grads, ref_grads, has_key, lengths, seqs)
     return _verdict(err, metrics.GRAD_REL_TOL)
 
@@ -392,28 +477,71 @@ class Clock:
         return f"time budget ({self.budget_s:.0f} s) spent"
 
 
+def skip_reason(impl, shape, pass_):
+    """Why `impl` does not run `shape` in pass `pass_` ("fwd", "train" or "bwd"), or None.
+    Layouts and attributes bench.py does not run yet are skipped for every impl; a
+    packed-layout shape (no padded rectangle of its own) runs on the packed impls only."""
+    layout = shape.get("layout", "padded")
+    if layout == "paged":
+        return "paged layout: bench.py does not run paged KV caches yet"
+    if layout not in ("padded", "packed"):
+        return f"layout {layout!r}: not run by bench.py"
+    if shape.get("local_window_size") is not None:
+        return "local_window_size: bench.py does not run sliding-window attention yet"
+    if pass_ != "fwd" and shape.get("train") is False:
+        return "forward only (train: false in shapes.json)"
+    if layout == "packed" and impl not in PACKED_IMPLS:
+        return f"packed layout: run by the packed impls only ({', '.join(PACKED_IMPLS)})"
+    if metrics.has_q_padding(shape) and impl in NO_Q_LENGTHS:
+        return NO_Q_LENGTHS[impl]
+    return None
+
+
+def unrun_records(name, shape, impls, import_errors, base_record, clock, passes, **tags):
+    """The records of impls that will not run on this shape (import error, skip_reason, or the
+    run's time budget spent), printed; and {impl: (fn, align)} of those that will."""
+    records, to_run = [], {}
+    for impl in [*import_errors, *impls]:
+        for p in passes:
+            rec = new_record(base_record, name, impl, **tags, **{"pass": p})
+            if impl in import_errors:
+                rec["error"] = import_errors[impl]
+            elif reason := skip_reason(impl, shape, p):
+                rec["skipped"] = reason
+            elif clock.spent():
+                rec["skipped"] = clock.skip_reason()
+            else:
+                to_run[impl] = impls[impl]
+                continue
+            records.append(rec)
+            print(progress_line(rec), flush=True)
+    return records, to_run
+
+
 def run_fwd(name, shape, dtype, impls, import_errors, args, base_record, clock):
-    """Checks and times every impl's forward on one shape in one dtype; returns its records."""
+    """Checks and times every impl's forward on one shape in one dtype; returns its records
+    (in impl order)."""
     dtype = jnp.dtype(dtype)
-    tags = {"dtype": dtype.name, "pass": "fwd"}
-    if clock.spent():
-        return [new_record(base_record, name, impl, skipped=clock.skip_reason(), **tags)
-                for impl in [*import_errors, *impls]]
+    tags = {"dtype": dtype.name}
+    order = [*import_errors, *impls]
+    records, impls = unrun_records(name, shape, impls, import_errors, base_record, clock,
+                                   ("fwd",), **tags)
+    tags["pass"] = "fwd"
+    if not impls:
+        return records
     decode = shape["Sq"] == 1
     n_sets = 3 if input_bytes(shape, dtype.itemsize) < 4 * L2_BYTES else 1
-    sets = [make_inputs(shape, dtype, args.seed, i) for i in range(n_sets)]
+    sets = [make_set(shape, dtype, args.seed, i) for i in range(n_sets)]
     scale = 1.0 / math.sqrt(shape["D"])
+    lengths_q = shape.get("lengths_q")
     ref = None
-    if not decode:  # fp32 reference on the first sequences, tail-aligned causal
-        q, k, v, lengths = (x[:CHECK_SEQS] for x in sets[0])
-        ref = metrics.reference(q, k, v, lengths, scale=scale, is_causal=shape["causal"])
+    if not decode:  # fp32 reference on the first sequences (real query rows), tail-aligned
+        q, k, v, lengths = (x[:CHECK_SEQS] for x in sets[0][:4])
+        ref = metrics.reference(q, k, v, lengths, scale=scale, is_causal=shape["causal"],
+                                lengths_q=None if lengths_q is None else lengths_q[:CHECK_SEQS])
     repeats, target_s = TIMING["fwd-quick" if args.quick else "fwd"]
     nbytes = metrics.bytes_moved(shape, dtype.itemsize)
 
-    records = [new_record(base_record, name, impl, error=err, **tags)
-               for impl, err in import_errors.items()]
-    for rec in records:
-        print(progress_line(rec), flush=True)
     for impl, (fn, align) in impls.items():
         rec = new_record(base_record, name, impl, **tags)
         if clock.spent():
@@ -437,7 +565,7 @@ def run_fwd(name, shape, dtype, impls, import_errors, args, base_record, clock):
                 out = unpack(jax.block_until_ready(jitted(*impl_sets[0])))
                 if ref is not None:
                     rec.update(check(out, *ref, shape["lengths"], shape["Sq"], align,
-                                     shape["causal"]))
+                                     shape["causal"], lengths_q))
                 del out
                 timed[key] = time_ms(jitted, impl_sets, repeats, target_s)
             except Exception as e:  # noqa: BLE001 - e.g. cudnn rejecting a shape; keep going
@@ -457,7 +585,7 @@ def run_fwd(name, shape, dtype, impls, import_errors, args, base_record, clock):
         records.append(rec)
         print(progress_line(rec), flush=True)
         del impl_sets
-    return records
+    return sorted(records, key=lambda r: order.index(r["impl"]))
 
 
 def backward_alone(vjp_fns, douts):
@@ -476,33 +604,30 @@ def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock
     """Per impl, a training step ("train": forward + backward of sum(out * dO) through jax.vjp,
     3.5x the forward's FLOPs) and the backward alone ("bwd": the vjp function applied to dO,
     2.5x), each checked against the fp32 reference's gradients on the first sequences and
-    timed within --step-budget-s. Returns the records."""
+    timed within --step-budget-s. Returns the records (in impl order)."""
     dtype = jnp.dtype(dtype)
     passes = ("train", "bwd")
     order = [*import_errors, *impls]
-    if clock.spent():
-        return [new_record(base_record, name, impl, skipped=clock.skip_reason(),
-                           dtype=dtype.name, **{"pass": p}) for impl in order for p in passes]
+    records, impls = unrun_records(name, shape, impls, import_errors, base_record, clock,
+                                   passes, dtype=dtype.name)
+    if not impls:
+        return records
     n_sets = 3 if input_bytes(shape, dtype.itemsize) < 4 * L2_BYTES else 1
-    sets = [(*make_inputs(shape, dtype, args.seed, i), make_dout(shape, dtype, args.seed, i))
+    sets = [(*make_set(shape, dtype, args.seed, i), make_dout(shape, dtype, args.seed, i))
             for i in range(n_sets)]
     scale = 1.0 / math.sqrt(shape["D"])
     causal = shape["causal"]
-    q, k, v, lengths, dout = (x[:CHECK_SEQS] for x in sets[0])
-    ref_grads, has_key = metrics.reference_grads(q, k, v, lengths, dout, scale=scale,
-                                                 is_causal=causal)
+    lengths_q = shape.get("lengths_q")
+    q, k, v, lengths = (x[:CHECK_SEQS] for x in sets[0][:4])
+    ref_grads, has_key = metrics.reference_grads(
+        q, k, v, lengths, sets[0][-1][:CHECK_SEQS], scale=scale, is_causal=causal,
+        lengths_q=None if lengths_q is None else lengths_q[:CHECK_SEQS])
     repeats, target_s = TIMING["train-quick" if args.quick else "train"]
     budget = args.step_budget_s
 
-    records = []
-    for impl, err in import_errors.items():
-        for p in passes:
-            records.append(new_record(base_record, name, impl, error=err, dtype=dtype.name,
-                                      **{"pass": p}))
-            print(progress_line(records[-1]), flush=True)
     for impl, (fn, align) in impls.items():
-        # An input set is (q, k, v, *aux, dO): aux = (lengths,), or packed (cu_seqlens_q,
-        # cu_seqlens_k) with the gradients unpacked for the check.
+        # An input set is (q, k, v, *aux, dO): aux = (lengths[, lengths_q]), or packed
+        # (cu_seqlens_q, cu_seqlens_k) with the gradients unpacked for the check.
         packing = Packed(shape) if impl in PACKED_IMPLS else None
         impl_sets = [packing.pack(*s) for s in sets] if packing else sets
         hints = packing.hints if packing else {}
@@ -535,7 +660,7 @@ def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock
                     fn_p, sets_p = (train, impl_sets) if p == "train" else bwd_inputs()
                     grads = unpack(jax.block_until_ready(fn_p(*sets_p[0])))
                     rec.update(check_grads(grads, ref_grads, has_key, shape["lengths"],
-                                           shape["Sq"], align, causal))
+                                           shape["Sq"], align, causal, lengths_q))
                     del grads
                     ms = time_ms(fn_p, sets_p, repeats, target_s, budget_s=budget)
                 except Exception as e:  # noqa: BLE001 - e.g. no backward for a peer
@@ -546,7 +671,7 @@ def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock
                                input_sets=len(sets_p))
             records.append(rec)
             print(progress_line(rec), flush=True)
-    return records
+    return sorted(records, key=lambda r: order.index(r["impl"]))
 
 
 def progress_line(rec):
@@ -625,10 +750,14 @@ def main(argv=None):
     all_shapes = load_shapes()
     run_fwd_pass = args.passes in ("fwd", "both")
     run_train_pass = args.passes in ("train", "both")
-    fwd_shapes = select_shapes(all_shapes, args.shapes, args.decode) if run_fwd_pass else {}
-    train_names = (args.shapes or args.train_shapes).split(",") if run_train_pass else []
-    train_shapes = {n: s for n, s in select_shapes(all_shapes, ",".join(train_names), False)
-                    .items() if s["Sq"] != 1} if train_names else {}
+    fwd_shapes, train_shapes = {}, {}
+    if run_fwd_pass:
+        fwd_shapes = select_shapes(all_shapes, args.shapes or args.fwd_shapes, args.decode)
+        if args.decode and not args.shapes:
+            fwd_shapes.update({n: s for n, s in all_shapes.items() if s["Sq"] == 1})
+    if run_train_pass:
+        train_shapes = {n: s for n, s in select_shapes(
+            all_shapes, args.shapes or args.train_shapes, False).items() if s["Sq"] != 1}
     extras = parse_extra_dtypes(args.extra_dtype, fwd_shapes)
     shapes = {**fwd_shapes, **train_shapes}
     if args.cpu_smoke:
@@ -703,7 +832,8 @@ def main(argv=None):
 
     print("\nwrote " + ", ".join(paths) + "\n")
     print(table)
-    print("\nSummary (ours / best of cuDNN and FA3; targets: issue 11 forward, issue 12 train)\n")
+    print("\nSummary (ours / best of cuDNN and FA3, or cuDNN alone where the target says so; "
+          "targets: issue 11 forward, issue 12 train, issue 31 prefill-right-padded)\n")
     print(report.summary_table(records, shapes))
     packed = report.packed_table(records, shapes)
     if packed:

@@ -3,10 +3,15 @@ and the per-shape floors of NOTES.md.
 
 Definitions follow shapes.json's `_doc`:
     effective TFLOP/s = 2 * pairs * H * (D + Dv) / time   (= 4 * pairs * H * D when D == Dv),
-        pairs = allowed (query, key) pairs under the implementation's *own* mask;
+        pairs = allowed (query, key) pairs under the implementation's *own* mask, over the
+        real query rows only (i < lengths_q[b] where a shape gives lengths_q);
         a training step ("train": forward + backward) counts 3.5x that, the backward alone
         ("bwd") 2.5x;
-    effective TB/s = (valid K and V + Q + O bytes, each read or written once) / time.
+    effective TB/s = (valid K and V + real Q and O rows, each read or written once) / time.
+
+A shape of layout "packed" (lengths_q and lengths only) is seen through the padded rectangle
+it would fill (padded_extent): B = the number of sequences, Sq = the longest lengths_q,
+Skv = the longest lengths.
 
     python3 benchmarks/bench_metrics.py floors     # the floors table of NOTES.md, as markdown
 """
@@ -21,9 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Mask alignments. "tail" is jax_varlen's causal mask (bottom-right): query i of sequence b
-# sees key j iff j < n_b and j <= i + n_b - Sq. "top_left" is jax.nn.dot_product_attention's
-# is_causal with key_value_seq_lengths: j < n_b and j <= i. They agree when n_b == Sq.
+# Mask alignments, for sequence b with n_q real query rows (lengths_q; Sq without it) and n_b
+# real keys; rows i >= n_q see no key. "tail" is jax_varlen's causal mask (bottom-right, also
+# FA3's): query i sees key j iff j < n_b and j <= i + n_b - n_q. "top_left" is
+# jax.nn.dot_product_attention's is_causal with query_seq_lengths / key_value_seq_lengths:
+# j < n_b and j <= i. They agree when n_b == n_q.
 TAIL = "tail"
 TOP_LEFT = "top_left"
 
@@ -45,48 +52,88 @@ MATRIX_TFLOPS = 794.0
 COPY_TBPS = 4.30
 
 
-def allowed_pairs(seqlen_q, lengths, is_causal, align):
-    """Allowed (query, key) pairs summed over the batch.
+def padded_extent(shape):
+    """The shape with B, Sq and Skv filled in: a packed-layout shape (no rectangle of its own)
+    gets B = len(lengths), Sq = max(lengths_q), Skv = max(lengths). Others are returned as
+    they are."""
+    if all(k in shape for k in ("B", "Sq", "Skv")):
+        return shape
+    lengths_q = shape.get("lengths_q", shape["lengths"])
+    return {**shape, "B": len(shape["lengths"]), "Sq": max(max(lengths_q), 1),
+            "Skv": max(max(shape["lengths"]), 1)}
+
+
+def q_lengths(shape):
+    """Real query rows per sequence: lengths_q, or Sq for every sequence without it."""
+    return list(shape.get("lengths_q", [shape["Sq"]] * shape["B"]))
+
+
+def has_q_padding(shape):
+    """True when some sequence has padded query rows (lengths_q[b] < Sq)."""
+    return any(n < shape["Sq"] for n in q_lengths(shape))
+
+
+def allowed_pairs(seqlen_q, lengths, is_causal, align, lengths_q=None, window=None):
+    """Allowed (query, key) pairs summed over the batch, real query rows only.
+
+    lengths: keys per sequence (n_b); lengths_q: real query rows per sequence (default Sq);
+    window: None or jax.nn's local_window_size, an int w (= (w, w)) or (left, right), around
+    the query's position p among the keys (tail: p = i + n_b - n_q; top_left: p = i).
 
     Worked example, Sq = 4, n_b = 2, causal:
         tail:     keys per query row = max(0, min(2, i - 1)) = 0, 0, 1, 2  -> 3 pairs
         top_left: keys per query row = min(2, i + 1)         = 1, 2, 2, 2  -> 7 pairs
-    Non-causal: Sq * n_b = 8 pairs either way.
+    Non-causal: Sq * n_b = 8 pairs either way. With lengths_q = [2] (rows 2 and 3 padding)
+    and n_b = 2, causal: tail and top_left both give 1, 2 for rows 0, 1 -> 3 pairs.
     """
     n = np.asarray(lengths, np.int64)[:, None]  # [B, 1]
+    n_q = np.asarray(seqlen_q if lengths_q is None else lengths_q, np.int64)
+    n_q = np.broadcast_to(n_q, n[:, 0].shape)[:, None]  # [B, 1]
     i = np.arange(seqlen_q, dtype=np.int64)[None, :]  # [1, Sq]
-    if not is_causal:
-        return int(seqlen_q * n.sum())
     if align == TAIL:
-        per_row = np.clip(i + n - seqlen_q + 1, 0, n)  # [B, Sq]
+        pos = i + n - n_q  # [B, Sq]: query row i's position among the keys
     elif align == TOP_LEFT:
-        per_row = np.minimum(n, i + 1)  # [B, Sq]
+        pos = i + 0 * n
     else:
         raise ValueError(f"unknown mask alignment {align!r}")
+    lo = np.zeros_like(pos)  # first and last allowed key, inclusive
+    hi = np.broadcast_to(n - 1, pos.shape)
+    if is_causal:
+        hi = np.minimum(hi, pos)
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        lo, hi = np.maximum(lo, pos - left), np.minimum(hi, pos + right)
+    per_row = np.clip(hi - lo + 1, 0, None) * (i < n_q)  # [B, Sq]
     return int(per_row.sum())
 
 
 def flops(shape, align, pass_="fwd"):
     """Effective FLOPs: two matmuls (QK^T over D, PV over Dv) per allowed pair and head, times
     PASS_FLOPS[pass_] (3.5 for a training step, 2.5 for the backward alone)."""
-    pairs = allowed_pairs(shape["Sq"], shape["lengths"], shape["causal"], align)
+    shape = padded_extent(shape)
+    pairs = allowed_pairs(shape["Sq"], shape["lengths"], shape["causal"], align,
+                          lengths_q=shape.get("lengths_q"),
+                          window=shape.get("local_window_size"))
     return PASS_FLOPS[pass_] * 2 * pairs * shape["H"] * (shape["D"] + shape["Dv"])
 
 
 def bytes_moved(shape, itemsize):
-    """Valid K and V rows, plus all of Q and O, each touched once."""
+    """Valid K and V rows, plus the real rows of Q and O, each touched once."""
+    shape = padded_extent(shape)
     kv = sum(shape["lengths"]) * shape["Hkv"] * (shape["D"] + shape["Dv"])
-    q = shape["B"] * shape["Sq"] * shape["H"] * shape["D"]
-    o = shape["B"] * shape["Sq"] * shape["H"] * shape["Dv"]
+    rows_q = sum(q_lengths(shape))
+    q = rows_q * shape["H"] * shape["D"]
+    o = rows_q * shape["H"] * shape["Dv"]
     return (kv + q + o) * itemsize
 
 
-@functools.partial(jax.jit, static_argnames=("seqlen_q", "is_causal"))
-def _reference_rows(q, k, v, lengths, q_start, *, scale, seqlen_q, is_causal):
+@functools.partial(jax.jit, static_argnames=("is_causal",))
+def _reference_rows(q, k, v, lengths, lengths_q, q_start, *, scale, is_causal):
     """fp32 masked softmax attention, tail-aligned causal, for a chunk of query rows.
 
     q: [B, C, H, D] (rows q_start .. q_start + C - 1 of Sq); k: [B, Skv, Hkv, D];
-    v: [B, Skv, Hkv, Dv]; lengths: [B] int32.
+    v: [B, Skv, Hkv, Dv]; lengths: [B] int32 keys; lengths_q: [B] int32 real query rows (rows
+    i >= lengths_q[b] are padding and see no key).
     Returns out [B, C, H, Dv] fp32 and has_key [B, C] (False where a row sees no key; out is 0).
     """
     b, c, h, d = q.shape
@@ -95,12 +142,13 @@ def _reference_rows(q, k, v, lengths, q_start, *, scale, seqlen_q, is_causal):
     q = q.astype(jnp.float32).reshape(b, c, hkv, group, d)
     s = jnp.einsum("bckgd,bskd->bkgcs", q, k.astype(jnp.float32),
                    precision=HIGHEST) * scale  # [B, Hkv, G, C, Skv]
-    i = q_start + jnp.arange(c)[:, None]  # [C, 1]
-    j = jnp.arange(skv)[None, :]  # [1, Skv]
+    i = q_start + jnp.arange(c)[None, :, None]  # [1, C, 1]
+    j = jnp.arange(skv)[None, None, :]  # [1, 1, Skv]
     n = lengths[:, None, None]  # [B, 1, 1]
-    allowed = j[None] < n  # [B, C or 1, Skv]
+    n_q = lengths_q[:, None, None]  # [B, 1, 1]
+    allowed = (j < n) & (i < n_q)  # [B, C, Skv]
     if is_causal:
-        allowed = allowed & (j[None] <= i[None] + n - seqlen_q)
+        allowed = allowed & (j <= i + n - n_q)
     allowed = jnp.broadcast_to(allowed, (b, c, skv))
     s = jnp.where(allowed[:, None, None], s, -jnp.inf)
     has_key = allowed.any(-1)  # [B, C]
@@ -112,16 +160,25 @@ def _reference_rows(q, k, v, lengths, q_start, *, scale, seqlen_q, is_causal):
     return out.reshape(b, c, h, v.shape[-1]), has_key
 
 
-def reference(q, k, v, lengths, *, scale, is_causal, chunk=512):
+def _q_lengths_array(q, lengths_q):
+    """lengths_q as int32 [B], Sq for every sequence when None."""
+    if lengths_q is None:
+        return jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+    return jnp.asarray(lengths_q, jnp.int32)
+
+
+def reference(q, k, v, lengths, *, scale, is_causal, lengths_q=None, chunk=512):
     """Reference for whole sequences, computed in query chunks to bound the [.., C, Skv] logits.
 
-    q: [B, Sq, H, D] ... as in _reference_rows. Returns out [B, Sq, H, Dv] fp32, has_key [B, Sq].
+    q: [B, Sq, H, D] ... as in _reference_rows; lengths_q: None (every row real) or [B] real
+    query rows. Returns out [B, Sq, H, Dv] fp32, has_key [B, Sq] (False on padded rows).
     """
     seqlen_q = q.shape[1]
+    lengths_q = _q_lengths_array(q, lengths_q)
     outs, keys = [], []
     for start in range(0, seqlen_q, chunk):
-        o, hk = _reference_rows(q[:, start:start + chunk], k, v, lengths, start, scale=scale,
-                                seqlen_q=seqlen_q, is_causal=is_causal)
+        o, hk = _reference_rows(q[:, start:start + chunk], k, v, lengths, lengths_q, start,
+                                scale=scale, is_causal=is_causal)
         outs.append(o)
         keys.append(hk)
     return jnp.concatenate(outs, 1), jnp.concatenate(keys, 1)
@@ -140,34 +197,34 @@ def max_abs_err(out, ref, has_key, seqs):
     return float(err)
 
 
-@functools.partial(jax.jit, static_argnames=("seqlen_q", "is_causal"))
-def _reference_chunk_grads(q, k, v, lengths, q_start, dout, *, scale, seqlen_q, is_causal):
+@functools.partial(jax.jit, static_argnames=("is_causal",))
+def _reference_chunk_grads(q, k, v, lengths, lengths_q, q_start, dout, *, scale, is_causal):
     """Gradients of sum(out * dout) over one chunk of query rows (all f32): (dq, dk, dv)."""
     def f(q, k, v):
-        return _reference_rows(q, k, v, lengths, q_start, scale=scale, seqlen_q=seqlen_q,
+        return _reference_rows(q, k, v, lengths, lengths_q, q_start, scale=scale,
                                is_causal=is_causal)[0]
     _, vjp = jax.vjp(f, q, k, v)
     return vjp(dout)
 
 
-def reference_grads(q, k, v, lengths, dout, *, scale, is_causal, chunk=512):
+def reference_grads(q, k, v, lengths, dout, *, scale, is_causal, lengths_q=None, chunk=512):
     """fp32 gradients of sum(reference(q, k, v) * dout) with respect to q, k and v.
 
     q: [B, Sq, H, D], k: [B, Skv, Hkv, D], v: [B, Skv, Hkv, Dv], dout: [B, Sq, H, Dv] (any float
-    dtype; computed in f32). The loss is a sum over query rows, so each chunk of rows is
-    differentiated on its own (memory bounded by one chunk's logits) and dk, dv are summed over
-    chunks. Returns ((dq, dk, dv), has_key [B, Sq]).
+    dtype; computed in f32); lengths_q as in reference(). The loss is a sum over query rows, so
+    each chunk of rows is differentiated on its own (memory bounded by one chunk's logits) and
+    dk, dv are summed over chunks. Returns ((dq, dk, dv), has_key [B, Sq]).
     """
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     q, k, v, dout = f32(q), f32(k), f32(v), f32(dout)
     seqlen_q = q.shape[1]
+    lengths_q = _q_lengths_array(q, lengths_q)
     dqs, dk, dv, keys = [], jnp.zeros_like(k), jnp.zeros_like(v), []
     for start in range(0, seqlen_q, chunk):
         sl = slice(start, start + chunk)
-        dq_c, dk_c, dv_c = _reference_chunk_grads(q[:, sl], k, v, lengths, start, dout[:, sl],
-                                                  scale=scale, seqlen_q=seqlen_q,
-                                                  is_causal=is_causal)
-        _, hk = _reference_rows(q[:, sl], k, v, lengths, start, scale=scale, seqlen_q=seqlen_q,
+        dq_c, dk_c, dv_c = _reference_chunk_grads(q[:, sl], k, v, lengths, lengths_q, start,
+                                                  dout[:, sl], scale=scale, is_causal=is_causal)
+        _, hk = _reference_rows(q[:, sl], k, v, lengths, lengths_q, start, scale=scale,
                                 is_causal=is_causal)
         dqs.append(dq_c)
         keys.append(hk)

@@ -4,7 +4,8 @@
 
 prints the summary of one or more result files (e.g. the forward call's and the training
 call's): per shape and pass, ours / cuDNN / FA3 / XLA effective TFLOP/s, ours over the best of
-cuDNN and FA3, and the issue's target for it.
+cuDNN and FA3 (or the peers TARGET_PEERS names for the shape), and the issue's target for it;
+then the packed layout's table (issue 13), which also holds the packed-layout shapes.
 """
 
 import json
@@ -16,15 +17,19 @@ OURS_PACKED, FA3_PACKED = "jax_varlen_packed", "fa3_packed"  # the packed layout
 BEST_OF = ("cudnn", "fa3")  # the peers a target ratio is measured against
 SUMMARY_IMPLS = (OURS, "cudnn", "fa3", "xla")
 
-# Targets, bf16, ratio ours / max(cuDNN, FA3) in the same run. Forward: issue 11 (Hopper
-# forward), with 640 TFLOP/s absolute on d128-full; train: issue 12 (fused backward).
+# Targets, bf16, ratio ours / max(cuDNN, FA3) in the same run (max over TARGET_PEERS[shape]
+# where it names the peers). Forward: issue 11 (Hopper forward), with 640 TFLOP/s absolute on
+# d128-full; train: issue 12 (fused backward); prefill-right-padded, forward and train: issue 31
+# (padded query rows), against cuDNN (FA3's flash_mha_varlen takes no seqused_q).
 RATIO_TARGETS = {
     "fwd": {"d128-full": 1.05, "d128-causal-full": 1.05, "d128-long-causal": 1.05,
             "d128-skewed": 1.4, "d128-causal-skewed": 1.4, "d128-long-causal-skewed": 1.4,
-            "d64-full": 1.05, "d64-skewed": 1.3},
+            "d64-full": 1.05, "d64-skewed": 1.3, "prefill-right-padded": 1.2},
     "train": {"d128-full": 1.0, "d128-causal-full": 1.0, "d64-full": 1.0,
-              "d128-skewed": 1.5, "d128-causal-skewed": 1.5, "d64-skewed": 1.5},
+              "d128-skewed": 1.5, "d128-causal-skewed": 1.5, "d64-skewed": 1.5,
+              "prefill-right-padded": 1.2},
 }
+TARGET_PEERS = {"prefill-right-padded": ("cudnn",)}  # else BEST_OF
 ABSOLUTE_TARGETS = {"fwd": {"d128-full": 640.0}}  # TFLOP/s
 # Issue 13, every shape, forward and train: packed within 3% of padded, >= 1.05x FA3's packed.
 PACKED_TARGETS = {"padded": 0.97, "fa3_packed": 1.05}
@@ -34,6 +39,11 @@ TARGET_DTYPE = "bfloat16"
 def target(shape, pass_):
     """(ratio or None, absolute TFLOP/s or None) of the issues for a bf16 (shape, pass)."""
     return RATIO_TARGETS.get(pass_, {}).get(shape), ABSOLUTE_TARGETS.get(pass_, {}).get(shape)
+
+
+def _is_packed(shape):
+    """A packed-layout shape: only the packed impls run it (packed_table)."""
+    return shape.get("layout") == "packed"
 
 
 def _is_decode(shape):
@@ -84,9 +94,9 @@ def _measured_key(decode, pass_):
 
 
 def markdown_table(records, shapes):
-    """One row per (shape, dtype, pass, impl). `ours/impl` = our effective rate / that impl's
-    (>1: ours is faster per unit of useful work); `ref` = the peer's number recorded in
-    shapes.json (bf16 only)."""
+    """One row per (shape, dtype, pass, impl). `ours/impl` = our effective rate (jax_varlen's;
+    jax_varlen_packed's on a packed-layout shape) / that impl's (>1: ours is faster per unit of
+    useful work); `ref` = the peer's number recorded in shapes.json (bf16 only)."""
     lines = [
         "| shape | dtype | pass | impl | ms | eff | ours/impl | ref | note |",
         "|---|---|---|---|---:|---:|---:|---:|---|",
@@ -96,12 +106,13 @@ def markdown_table(records, shapes):
         decode = _is_decode(shapes[name])
         unit = "TB/s" if decode else "TFLOP/s"
         rows = [r for r in records if _group(r) == key]
-        ours = next((_eff(r, decode) for r in rows if r["impl"] == OURS), None)
+        ours_impl = OURS_PACKED if _is_packed(shapes[name]) else OURS
+        ours = next((_eff(r, decode) for r in rows if r["impl"] == ours_impl), None)
         mkey = _measured_key(decode, pass_)
         measured = shapes[name].get(mkey, {}) if mkey and dtype == TARGET_DTYPE else {}
         for r in rows:
             eff = _eff(r, decode)
-            ratio = ours / eff if ours and eff and r["impl"] != OURS else None
+            ratio = ours / eff if ours and eff and r["impl"] != ours_impl else None
             ref = measured.get(r["impl"])
             lines.append(
                 f"| {name} | {_short_dtype(dtype)} | {pass_} | {r['impl']} "
@@ -120,7 +131,8 @@ def summary_rows(records, shapes=None):
     """One row per non-decode (shape, dtype, pass) in run order (later records of the same
     (shape, dtype, pass, impl) replace earlier ones, so several files can be combined):
     {"shape", "dtype", "pass", "eff": {impl: TFLOP/s}, "ratio", "best", "target", "absolute",
-    "met"}. A target applies to bf16 only; met is None without a target or without numbers."""
+    "met"}; ratio = ours / the best of the shape's TARGET_PEERS (default cuDNN and FA3). A
+    target applies to bf16 only; met is None without a target or without numbers."""
     latest = {}
     for r in records:
         if shapes is not None and r["shape"] in shapes and _is_decode(shapes[r["shape"]]):
@@ -134,7 +146,7 @@ def summary_rows(records, shapes=None):
         eff = {k[3]: r["eff_tflops"] for k, r in latest.items()
                if k[:3] == key and r.get("eff_tflops")}
         ours = eff.get(OURS)
-        peers = {p: eff[p] for p in BEST_OF if p in eff}
+        peers = {p: eff[p] for p in TARGET_PEERS.get(name, BEST_OF) if p in eff}
         best = max(peers, key=peers.get) if peers else None
         ratio = ours / peers[best] if ours and best else None
         ratio_t, absolute = target(name, pass_) if dtype == TARGET_DTYPE else (None, None)
@@ -147,11 +159,15 @@ def summary_rows(records, shapes=None):
 
 
 def summary_table(records, shapes=None):
-    """Markdown: per shape and pass, the effective TFLOP/s of ours and the peers, ours over the
-    best of cuDNN and FA3, and the target (bf16; forward: issue 11, train: issue 12)."""
+    """Markdown: per padded shape and pass, the effective TFLOP/s of ours and the peers, ours
+    over the best of cuDNN and FA3 (TARGET_PEERS), and the target (bf16; forward: issue 11,
+    train: issue 12, prefill-right-padded: issue 31). Packed-layout shapes are left to
+    packed_table."""
     lines = ["| shape | dtype | pass | ours | cuDNN | FA3 | XLA | ours / best | target | met |",
              "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     for row in summary_rows(records, shapes):
+        if shapes is not None and _is_packed(shapes.get(row["shape"], {})):
+            continue
         cells = [_fmt(row["eff"].get(i), ".0f" if row["eff"].get(i, 0) >= 10 else ".3g")
                  or "-" for i in SUMMARY_IMPLS]
         ratio = f"{row['ratio']:.2f} ({row['best']})" if row["ratio"] is not None else "-"
@@ -168,7 +184,8 @@ def summary_table(records, shapes=None):
 def packed_table(records, shapes=None):
     """Markdown: per shape and pass with packed records, effective TFLOP/s of jax_varlen padded
     and packed and FA3 padded and packed; packed / padded and packed / FA3 packed against
-    PACKED_TARGETS (bf16). '' when no record is packed."""
+    PACKED_TARGETS (bf16; a packed-layout shape has no padded records, and only the FA3 packed
+    ratio decides). '' when no record is packed."""
     rows = [r for r in summary_rows(records, shapes) if OURS_PACKED in r["eff"]]
     if not rows:
         return ""
@@ -181,8 +198,11 @@ def packed_table(records, shapes=None):
         vs_padded = ours / eff[OURS] if eff.get(OURS) else None
         vs_fa3 = ours / eff[FA3_PACKED] if eff.get(FA3_PACKED) else None
         met = ""
-        if row["dtype"] == TARGET_DTYPE and vs_padded is not None and vs_fa3 is not None:
-            ok = vs_padded >= PACKED_TARGETS["padded"] and vs_fa3 >= PACKED_TARGETS["fa3_packed"]
+        packed_only = shapes is not None and _is_packed(shapes.get(row["shape"], {}))
+        if row["dtype"] == TARGET_DTYPE and vs_fa3 is not None and (vs_padded is not None
+                                                                     or packed_only):
+            ok = ((packed_only or vs_padded >= PACKED_TARGETS["padded"])
+                  and vs_fa3 >= PACKED_TARGETS["fa3_packed"])
             met = "yes" if ok else "no"
         rate = lambda i: _fmt(eff.get(i), ".0f" if eff.get(i, 0) >= 10 else ".3g") or "-"  # noqa: E731
         cells = [rate(OURS), rate(OURS_PACKED), _fmt(vs_padded, ".3f") or "-",

@@ -3,9 +3,10 @@
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
 #   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [ncu] [cmd]   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
-# GPU-only files tests/test_gpu_*.py); bench = every named non-decode shape forward (bf16, plus
-# f16 of d128-full and d128-skewed), jax_varlen / cuDNN / FA3 / XLA; train = train + bwd records
-# (jax_varlen / cuDNN / FA3) on the six training shapes; decode = the decode shapes; sweep = the
+# GPU-only files tests/test_gpu_*.py); bench = the forward on bench.py's FWD_SHAPES (issue 11's
+# eight and prefill-right-padded; bf16, plus f16 of d128-full and d128-skewed), jax_varlen /
+# cuDNN / FA3 / XLA and the packed pair; train = train + bwd records (jax_varlen / cuDNN / FA3
+# and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; sweep = the
 # decode sweep; ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
 # $CMD (run from /tmp with the build installed, $R = the repository root; limit CMD_S, 120 s).
 # The whole call is held to TOTAL_S (default 540 s, from the start of this script): each stage's

@@ -1,4 +1,5 @@
-"""The README's Python examples run as written, and its signature is the real one."""
+"""The Python examples of the README and docs/semantics.md run as written and check their own
+results; the documented signatures are the real ones."""
 
 from __future__ import annotations
 
@@ -8,25 +9,56 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 import jax_varlen
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "docs/semantics.md")
 
 
 def _blocks(text: str, lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
 
 
-def test_readme_python_examples_run():
-    blocks = _blocks((ROOT / "README.md").read_text(), "python")
-    assert blocks, "the README has no Python example"
-    for i, code in enumerate(blocks):
-        scope: dict = {}
-        exec(compile(code, f"README.md python block {i}", "exec"), scope)  # noqa: S102
-        for value in scope.values():  # every array it made is finite (padding never leaks)
-            if isinstance(value, jax.Array) and jax.numpy.issubdtype(value.dtype, np.floating):
-                assert np.isfinite(np.asarray(value, np.float32)).all()
+def _python_examples() -> list:
+    """Every ```python block of DOCS, as a pytest param with id ``doc:line``."""
+    params = []
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE):
+            line = text.count("\n", 0, m.start()) + 1
+            params.append(pytest.param(doc, line, m.group(1), id=f"{doc}:{line}"))
+    return params
+
+
+EXAMPLES = _python_examples()
+
+
+def test_docs_have_examples():
+    """The README shows the causal prefill; semantics.md shows the worked mask and the four
+    common cases (prefill, decode, chunked prefill, packed training)."""
+    per_doc = {doc: [code for d, _, code in (p.values for p in EXAMPLES) if d == doc]
+               for doc in DOCS}
+    assert any("nonpad_q_seqlen=lens" in c and "is_causal=True" in c
+               for c in per_doc["README.md"])
+    semantics = "\n".join(per_doc["docs/semantics.md"])
+    for needle in ("nonpad_q_seqlen=lens", "k_cache", "chunk", "packed_attention",
+                   "jax.grad", "query_seq_lengths"):
+        assert needle in semantics, f"docs/semantics.md: no example with {needle!r}"
+
+
+@pytest.mark.parametrize("doc, line, code", EXAMPLES)
+def test_doc_python_examples_run(doc, line, code):
+    """Runs the block; it must check its result (an assert or np.testing) and leave only
+    finite arrays behind (padding never leaks)."""
+    assert re.search(r"\bassert\b|np\.testing\.assert", code), (
+        f"{doc}:{line}: the example checks nothing")
+    scope: dict = {}
+    exec(compile(code, f"{doc} python block at line {line}", "exec"), scope)  # noqa: S102
+    for name, value in scope.items():
+        if isinstance(value, jax.Array) and jax.numpy.issubdtype(value.dtype, np.floating):
+            assert np.isfinite(np.asarray(value, np.float32)).all(), f"{doc}:{line}: {name}"
 
 
 def test_documented_signature_is_the_real_one():
