@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_varlen._api import (
+    as_lengths,
     canonical,
     check_array,
     check_flag,
@@ -55,7 +56,9 @@ def _check_offsets(name: str, cu_seqlens, rows: int, rows_name: str):
     """Checks ``[B + 1]`` int32/int64 offsets into ``rows`` token rows; returns them as int32.
 
     Concrete offsets must start at 0, never decrease and end at most at ``rows``; traced ones
-    reach the primitive as they are (the kernels clamp them; checkify reports them)."""
+    reach the primitive as they are (the kernels clamp them; checkify reports them). Python
+    lists and tuples are taken as ``jnp.asarray`` would take them."""
+    cu_seqlens = as_lengths(name, cu_seqlens)
     check_array(name, cu_seqlens)
     if cu_seqlens.dtype not in _OFFSET_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {dtype_name(cu_seqlens.dtype)}")

@@ -225,6 +225,14 @@ def test_rank2_heads_merged(backend):
     np.testing.assert_allclose(np.asarray(out), np.asarray(oracle), atol=1e-5)
 
 
+def test_offsets_as_lists_and_numpy_arrays(backend):
+    q, k, v, cu_q, cu_k = make_packed([3, 8], [8, 2])
+    want = jax_varlen.packed_attention(q, k, v, cu_q, cu_k, is_causal=True)
+    lists = [int(x) for x in cu_q], [int(x) for x in cu_k]
+    for a, b in (lists, map(tuple, lists), map(np.asarray, lists)):
+        assert bits(jax_varlen.packed_attention(q, k, v, a, b, is_causal=True)) == bits(want)
+
+
 # --------------------------------------------------------------------------------------------
 # Rows no sequence owns, empty sequences, non-finite tails.
 
