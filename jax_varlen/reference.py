@@ -36,6 +36,8 @@ def reference(
     scale=None,
     is_causal=False,
     softcap=0.0,
+    local_window_size=None,
+    sinks=None,
     return_lse=False,
 ):
     """Variable-length attention over a padded batch, computed densely and masked.
@@ -54,12 +56,21 @@ def reference(
       is_causal: tail-aligned (bottom-right) causal mask: key `j` is allowed for query `i`
         iff `j <= i + (n - n_q)` (`n_q = Sq` without `nonpad_q_seqlen`).
       softcap: if `> 0`, scores become `softcap * tanh(s / softcap)` before masking.
-      return_lse: also return the log-sum-exp of the allowed scores.
+      local_window_size: `None` (no window), an int `w` (`(w, w)`) or a pair `(left, right)`
+        of ints >= 0 (`jax.nn`'s convention), applied at each query's tail-aligned position
+        `p = i + n - n_q`: key `j` is allowed iff `p - left <= j <= p + right` (and the
+        causal and length rules).
+      sinks: optional `[H]` logits, one per query head (gpt-oss): the softmax denominator
+        gains `exp(sinks[h])`, so `lse = log(exp(sinks[h]) + sum_j exp(s_j))` over the
+        allowed keys and a row with no allowed key gives zeros and `lse = sinks[h]`.
+        Differentiable.
+      return_lse: also return the log-sum-exp of the allowed scores (and the sink).
 
     Returns:
       `out` with the rank and dtype of `query` (`[B, Sq, H, Dv]` or `[B, Sq, H*Dv]`); with
-      `return_lse`, `(out, lse)` where `lse` is float32 `[B, H, Sq]`. A query row with no
-      allowed key (padded query rows included) gives zeros and `lse = -inf`.
+      `return_lse`, `(out, lse)` where `lse` is float32 `[B, H, Sq]`. A real query row with
+      no allowed key gives zeros and `lse = -inf` (`sinks[h]` with sinks); padded query rows
+      give zeros and `lse = -inf`.
     """
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0, got {softcap}")
@@ -95,20 +106,48 @@ def reference(
     j = jnp.arange(seqlen_k)[None, :]
     nb = n[:, None, None, None]
     allowed = (j < nb) & q_valid[:, None, :, None]
-    if is_causal:
-        allowed = allowed & (j <= i + (nb - n_q[:, None, None, None]))
+    position = i + (nb - n_q[:, None, None, None])  # the query's tail-aligned key position
+    allowed = allowed & _position_mask(j, position, is_causal, local_window_size)
     out, lse = _masked_attention(query, key, value, kv_valid, allowed, scale, softcap,
-                                 q_valid=q_valid)
+                                 q_valid=q_valid, sinks=sinks)
+    if sinks is not None:  # padded query rows are no rows: lse -inf, as without sinks
+        lse = jnp.where(q_valid[:, None, :], lse, -jnp.inf)
     if rank3:
         out = out.reshape(batch, seqlen_q, -1)
     return (out, lse) if return_lse else out
 
 
-def _masked_attention(query, key, value, kv_valid, allowed, scale, softcap, q_valid=None):
+def _window(local_window_size):
+    """``None``, an int ``w`` or a pair ``(left, right)`` -> ``(left, right)`` or ``None``."""
+    if local_window_size is None:
+        return None
+    if isinstance(local_window_size, int):
+        local_window_size = (local_window_size, local_window_size)
+    left, right = (int(w) for w in local_window_size)
+    if left < 0 or right < 0:
+        raise ValueError(f"local_window_size must be >= 0, got {local_window_size}")
+    return left, right
+
+
+def _position_mask(j, position, is_causal, local_window_size):
+    """Keys ``j`` a query at tail-aligned key position ``position`` may see (broadcasting):
+    ``j <= position`` when causal, ``position - left <= j <= position + right`` in a window."""
+    ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(j), jnp.shape(position)), bool)
+    if is_causal:
+        ok = ok & (j <= position)
+    window = _window(local_window_size)
+    if window is not None:
+        ok = ok & (j >= position - window[0]) & (j <= position + window[1])
+    return ok
+
+
+def _masked_attention(query, key, value, kv_valid, allowed, scale, softcap, q_valid=None,
+                      sinks=None):
     """Dense softmax attention under a mask: query [B, Sq, H, D], key [B, Skv, Hkv, D], value
     [B, Skv, Hkv, Dv], kv_valid [B, Skv] (keys that may be read at all), allowed [B, 1, Sq, Skv]
     (a subset of them per query row), q_valid [B, Sq] (query rows that may be read at all;
-    default every row). Returns out [B, Sq, H, Dv] (query's dtype) and float32 lse [B, H, Sq]."""
+    default every row), sinks [H] (a logit per head in every row's denominator; default none).
+    Returns out [B, Sq, H, Dv] (query's dtype) and float32 lse [B, H, Sq]."""
     heads, kv_heads = query.shape[2], key.shape[2]
     out_dtype = query.dtype
     compute = jnp.promote_types(jnp.float32, query.dtype)
@@ -137,9 +176,18 @@ def _masked_attention(query, key, value, kv_valid, allowed, scale, softcap, q_va
     # forward nor the backward pass ever sees -inf - -inf or 0 / 0.
     s = jnp.where(allowed, s, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))
-    m = jnp.where(any_allowed, m, 0.0)
-    p = jnp.exp(s - m)  # masked scores are -inf, so p == 0 there
-    l = jnp.where(any_allowed, jnp.sum(p, axis=-1, keepdims=True), 1.0)
+    if sinks is None:
+        m = jnp.where(any_allowed, m, 0.0)
+        p = jnp.exp(s - m)  # masked scores are -inf, so p == 0 there
+        l = jnp.where(any_allowed, jnp.sum(p, axis=-1, keepdims=True), 1.0)
+    else:
+        # The sink is one more (value-less) score: the max includes it, so it is finite in
+        # every row and an empty row gets l = 1, lse = sink.
+        sink = jnp.asarray(sinks).astype(compute)[None, :, None, None]  # [1, H, 1, 1]
+        m = jnp.maximum(m, jax.lax.stop_gradient(sink))
+        p = jnp.exp(s - m)
+        l = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
+        any_allowed = jnp.ones_like(any_allowed)  # lse = m + log(l) in every row
 
     # Masked weights are exactly 0 even in a row whose max or sum is NaN (non-finite real
     # data): the NaN stays in that row's output and never reaches the gradients of keys and
@@ -177,6 +225,8 @@ def packed_reference(
     scale=None,
     is_causal=False,
     softcap=0.0,
+    local_window_size=None,
+    sinks=None,
     return_lse=False,
 ):
     """The packed layout's attention, computed densely over every (query row, key row) pair
@@ -190,13 +240,14 @@ def packed_reference(
         Rows past the last offset belong to no sequence (any bits, never read).
       max_seqlen_q, max_seqlen_k: accepted for `packed_attention`'s signature; valid offsets
         never exceed them, and the oracle does not need them.
-      Others: as for `reference`; causal is tail-aligned per sequence (key `j` allowed for
-        query `i` iff `j <= i + len_k - len_q`).
+      Others: as for `reference`; causal and the window are tail-aligned per sequence
+        (query `i` at key position `p = i + len_k - len_q`; causal: key `j` allowed iff
+        `j <= p`).
 
     Returns:
       `out` with the rank and dtype of `query`; with `return_lse`, `(out, lse)` where `lse`
       is float32 `[H, Tq]`. Rows with no allowed key, and rows past the last offset, give
-      zeros and `lse = -inf`.
+      zeros and `lse = -inf` (`sinks[h]` with sinks, for rows a sequence owns).
     """
     del max_seqlen_q, max_seqlen_k
     if softcap < 0:
@@ -217,11 +268,14 @@ def packed_reference(
     seq_q, pos_q, len_q = _segments(cu_seqlens_q, query.shape[0])
     seq_k, pos_k, len_k = _segments(cu_seqlens_k, key.shape[0])
     allowed = (seq_q[:, None] == seq_k[None, :]) & (seq_q[:, None] >= 0)  # [Tq, Tk]
-    if is_causal:
-        allowed = allowed & (pos_k[None, :] <= pos_q[:, None] + len_k[None, :] - len_q[:, None])
+    position = pos_q[:, None] + len_k[None, :] - len_q[:, None]
+    allowed = allowed & _position_mask(pos_k[None, :], position, is_causal, local_window_size)
     out, lse = _masked_attention(query[None], key[None], value[None], (seq_k >= 0)[None],
-                                 allowed[None, None], scale, softcap, q_valid=(seq_q >= 0)[None])
+                                 allowed[None, None], scale, softcap, q_valid=(seq_q >= 0)[None],
+                                 sinks=sinks)
     out, lse = out[0], lse[0]
+    if sinks is not None:  # rows no sequence owns stay -inf, as without sinks
+        lse = jnp.where((seq_q >= 0)[None, :], lse, -jnp.inf)
     if rank2:
         out = out.reshape(out.shape[:1] + (-1,))
     return (out, lse) if return_lse else out

@@ -31,29 +31,43 @@ TOLS = {  # (atol, rtol) for the output, after one rounding to the dtype
 }
 
 
-def loop_attention(q, k, v, lengths, *, scale=None, is_causal=False, softcap=0.0):
-    """float64 per-(b, h, i) loop over rank-4 NumPy inputs; returns (out, lse)."""
+def loop_attention(q, k, v, lengths, *, scale=None, is_causal=False, softcap=0.0,
+                   nonpad_q_seqlen=None, local_window_size=None, sinks=None):
+    """float64 per-(b, h, i) loop over rank-4 NumPy inputs; returns (out, lse). Row i of
+    sequence b is real iff i < m (m = nonpad_q_seqlen[b], default Sq); its tail-aligned key
+    position is p = i + n - m; it sees keys j < n with j <= p when causal and
+    p - left <= j <= p + right in a window."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b_, sq, h_, d = q.shape
     skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
+    if isinstance(local_window_size, int):
+        local_window_size = (local_window_size, local_window_size)
     out = np.zeros((b_, sq, h_, dv))
     lse = np.full((b_, h_, sq), -np.inf)
     for b in range(b_):
         n = int(min(max(int(lengths[b]), 0), skv))
+        m = sq if nonpad_q_seqlen is None else int(min(max(int(nonpad_q_seqlen[b]), 0), sq))
         for h in range(h_):
             g = h // (h_ // hkv)
-            for i in range(sq):
-                limit = min(n, i + (n - sq) + 1) if is_causal else n
-                if limit <= 0:
+            for i in range(m):
+                p = i + n - m
+                keys = [j for j in range(n) if (not is_causal or j <= p) and (
+                    local_window_size is None
+                    or p - local_window_size[0] <= j <= p + local_window_size[1])]
+                sink = None if sinks is None else float(sinks[h])
+                if not keys:
+                    if sink is not None:
+                        lse[b, h, i] = sink
                     continue
-                s = scale * (k[b, :limit, g] @ q[b, i, h])
+                s = scale * (k[b, keys, g] @ q[b, i, h])
                 if softcap > 0:
                     s = softcap * np.tanh(s / softcap)
-                m = s.max()
-                p = np.exp(s - m)
-                out[b, i, h] = p @ v[b, :limit, g] / p.sum()
-                lse[b, h, i] = m + np.log(p.sum())
+                mx = s.max() if sink is None else max(s.max(), sink)
+                e = np.exp(s - mx)
+                total = e.sum() + (0.0 if sink is None else np.exp(sink - mx))
+                out[b, i, h] = e @ v[b, keys, g] / total
+                lse[b, h, i] = mx + np.log(total)
     return out, lse
 
 
@@ -239,3 +253,97 @@ def test_grad_matches_finite_differences():
                                  dtype=jnp.float64)
         fn = jax.jit(lambda q, k, v: reference(q, k, v, n, is_causal=True, softcap=3.0))
         check_grads(fn, (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Query counts, local windows and sinks (issues 31 and 34), against the same loop.
+
+WINDOWS = {"none": None, "w0": 0, "w2": 2, "left3-right0": (3, 0), "left0-right4": (0, 4),
+           "left1-right20": (1, 20)}
+
+
+@pytest.mark.parametrize("window", WINDOWS.values(), ids=WINDOWS.keys())
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_counts", [None, [6, 2, 0, 5]], ids=["all-rows", "q-counts"])
+def test_window_and_query_counts_match_loop(window, is_causal, q_counts):
+    q, k, v, lengths = make_inputs(LENGTHS["ragged"], heads=HEADS["gqa"])
+    if q_counts is not None:
+        q = q.at[np.arange(SQ)[None, :] >= np.asarray(q_counts)[:, None]].set(np.nan)
+    check(q, k, v, lengths, is_causal=is_causal, local_window_size=window,
+          nonpad_q_seqlen=None if q_counts is None else jnp.asarray(q_counts))
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", [None, (1, 0)], ids=["no-window", "window"])
+def test_sinks_match_loop(is_causal, window):
+    """Rows with allowed keys gain exp(sink) in the denominator; empty rows (sequence 0 has
+    no key; under causal the leading rows of short sequences) give zeros and lse = sink."""
+    q, k, v, lengths = make_inputs(LENGTHS["short"] + [0], heads=HEADS["gqa"])
+    sinks = jnp.asarray([0.5, -1.0, 2.0, -30.0], jnp.float32)
+    out, lse = check(q, k, v, lengths, is_causal=is_causal, local_window_size=window,
+                     sinks=sinks)
+    assert (np.asarray(lse[-1]) == np.asarray(sinks)[:, None]).all()
+    assert (np.asarray(out[-1]) == 0).all()
+
+
+def test_sinks_lower_the_weights():
+    """A sink only adds to the denominator: the output shrinks by sum_j e^s_j / (e^sink +
+    sum_j e^s_j) row by row, which the no-sink lse gives exactly."""
+    q, k, v, lengths = make_inputs(LENGTHS["full"])
+    sinks = jnp.linspace(-1.0, 1.0, H)
+    out0, lse0 = reference(q, k, v, jnp.asarray(lengths), return_lse=True)
+    out1, lse1 = reference(q, k, v, jnp.asarray(lengths), sinks=sinks, return_lse=True)
+    shrink = np.exp(np.asarray(lse0) - np.asarray(lse1))  # [B, H, Sq]
+    np.testing.assert_allclose(out1, out0 * shrink.transpose(0, 2, 1)[..., None], atol=1e-6)
+
+
+def test_sinks_gradient_matches_the_formula_and_finite_differences():
+    """d_sinks[h] = -sum over rows of exp(sinks[h] - lse) * rowsum(dO * O) (issue 34)."""
+    q, k, v, lengths = make_inputs(LENGTHS["odd"], heads=HEADS["gqa"], pad=0.0)
+    n = jnp.asarray(lengths)
+    sinks = jnp.asarray([0.3, -0.7, 1.1, 0.0], jnp.float32)
+    d_out = jax.random.normal(jax.random.key(3), (B, SQ, H, DV))
+
+    def loss(sinks, q, k, v):
+        return jnp.sum(reference(q, k, v, n, is_causal=True, sinks=sinks) * d_out)
+
+    with jax.default_matmul_precision("highest"):
+        d_sinks = jax.grad(loss)(sinks, q, k, v)
+        out, lse = reference(q, k, v, n, is_causal=True, sinks=sinks, return_lse=True)
+    rowsum = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)  # [B, H, Sq]
+    want = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * rowsum, axis=(0, 2))
+    np.testing.assert_allclose(d_sinks, want, atol=1e-5, rtol=1e-5)
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(x), jnp.float64) for x in (sinks, q, k, v)]
+        check_grads(lambda s, q, k, v: jnp.sum(reference(q, k, v, n, is_causal=True, sinks=s)
+                                               * np.asarray(d_out)), args, order=1,
+                    modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-1, (2, -1)])
+def test_negative_window_raises(bad):
+    q, k, v, lengths = make_inputs(LENGTHS["full"])
+    with pytest.raises(ValueError, match="local_window_size must be >= 0"):
+        reference(q, k, v, jnp.asarray(lengths), local_window_size=bad)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_packed_reference_window_and_sinks_equal_the_padded_oracle(is_causal):
+    """The packed oracle, sequence by sequence, against the padded one with query counts."""
+    from jax_varlen.reference import packed_reference
+
+    lens_q, lens_k = [3, 0, 6, 2], [5, 4, 6, 0]
+    q, k, v, _ = make_inputs([11] * 4, heads=HEADS["gqa"])
+    sinks = jnp.asarray([0.1, -0.4, 0.9, 0.0], jnp.float32)
+    kw = dict(is_causal=is_causal, local_window_size=(2, 1), sinks=sinks, return_lse=True)
+    cu_q, cu_k = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+    pq = jnp.concatenate([q[b, :m] for b, m in enumerate(lens_q)] + [q[0, :2]])  # 2 tail rows
+    pk = jnp.concatenate([k[b, :n] for b, n in enumerate(lens_k)])
+    pv = jnp.concatenate([v[b, :n] for b, n in enumerate(lens_k)])
+    out, lse = packed_reference(pq, pk, pv, cu_q, cu_k, **kw)
+    want, want_lse = reference(q, k, v, jnp.asarray(lens_k), nonpad_q_seqlen=jnp.asarray(lens_q),
+                               **kw)
+    for b, m in enumerate(lens_q):
+        np.testing.assert_allclose(out[cu_q[b]:cu_q[b + 1]], want[b, :m], atol=1e-6)
+        np.testing.assert_allclose(lse[:, cu_q[b]:cu_q[b + 1]], want_lse[b, :, :m], atol=1e-6)
+    assert (np.asarray(out[cu_q[-1]:]) == 0).all() and (np.asarray(lse[:, cu_q[-1]:]) == -np.inf).all()
