@@ -63,7 +63,8 @@ def test_doc_python_examples_run(doc, line, code):
 
 def test_documented_signature_is_the_real_one():
     """The signature blocks (README and docs/semantics.md) list the real keyword arguments
-    and defaults of attention and reference, and of packed_attention and packed_reference."""
+    and defaults of attention and packed_attention, which reference and packed_reference
+    take too."""
     for doc in ("README.md", "docs/semantics.md"):
         text = (ROOT / doc).read_text()
         for call, fns in (
@@ -72,11 +73,16 @@ def test_documented_signature_is_the_real_one():
              (jax_varlen.packed_attention, jax_varlen.packed_reference)),
         ):
             sig = next(b for b in _blocks(text, "text") if call in b)
-            for fn in fns:
-                for name, p in inspect.signature(fn).parameters.items():
-                    expected = (name if p.default is inspect.Parameter.empty
-                                else f"{name}={p.default!r}")
-                    assert expected in sig, f"{doc}: {expected} missing from the signature"
+            op, oracle = fns
+            for name, p in inspect.signature(op).parameters.items():
+                expected = (name if p.default is inspect.Parameter.empty
+                            else f"{name}={p.default!r}")
+                assert expected in sig, f"{doc}: {expected} missing from the signature"
+                # The oracle takes every argument of the op, with the same default (it may
+                # take more: the masks the op does not have yet, README "API").
+                theirs = inspect.signature(oracle).parameters.get(name)
+                assert theirs is not None and theirs.default == p.default, (
+                    f"{oracle.__name__} lacks {expected}")
 
 
 def test_docs_link_the_contract():
