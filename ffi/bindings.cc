@@ -1,8 +1,13 @@
 // The Python extension: registrations() maps FFI target names to handler capsules, per platform;
-// constants() gives Python the CUDA path's limits from the headers that define them.
+// plan() gives the Python lowering the CUDA call's plan (plan/plan.h), which the CUDA handler
+// makes again from the same shapes.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
-#include "cuda/limits.h"
+#include <stdexcept>
+#include <string>
+
+#include "plan/plan.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -23,6 +28,22 @@ namespace {
 template <typename Fn>
 nb::capsule capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+jax_varlen::DType dtype_of(const std::string& name) {
+  if (name == "float32") return jax_varlen::DType::kF32;
+  if (name == "float16") return jax_varlen::DType::kF16;
+  if (name == "bfloat16") return jax_varlen::DType::kBF16;
+  throw std::invalid_argument("jax_varlen: no CUDA kernels for dtype " + name);
+}
+
+const char* path_name(jax_varlen::FwdPath path) {
+  constexpr const char* kNames[] = {"portable", "sm80_split", "sm80_one_pass", "sm90_one_pass"};
+  return kNames[int(path)];
+}
+const char* path_name(jax_varlen::BwdPath path) {
+  constexpr const char* kNames[] = {"portable", "sm80", "sm90"};
+  return kNames[int(path)];
 }
 
 }  // namespace
@@ -47,28 +68,47 @@ NB_MODULE(_jax_varlen, m) {
 #endif
     return platforms;
   });
-  // The CUDA path's limits (ffi/cuda/limits.h), also in a CPU-only build: Python decides the
-  // lowering with them, so they must not be repeated there.
-  m.def("constants", []() {
-    namespace c = jax_varlen::cuda;
-    nb::list buckets, bwd_block_m;
-    for (int d : c::kHeadDimBuckets) {
-      buckets.append(d);
-      bwd_block_m.append(d <= c::kBwdSm90MaxHeadDim ? c::bwd_block_m(d) : 0);
-    }
-    nb::dict d;
-    d["head_dim_buckets"] = nb::tuple(buckets);  // max(D, Dv) rounds up to one of these
-    d["cuda_max_head_dim"] = c::kMaxHeadDim;     // largest D and Dv of the CUDA kernels
-    d["split_max_seqlen_q"] = c::kSplitMaxSeqlenQ;  // split-KV path for seqlen_q up to this
-    d["split_keys"] = c::kSplitKeys;                // keys per split-KV chunk
-    d["bwd_block_m"] = nb::tuple(bwd_block_m);      // Hopper backward: rows per dQ block, per bucket (0: none)
-    d["bwd_sm90_max_head_dim"] = c::kBwdSm90MaxHeadDim;  // its largest bucket
-    return d;
-  });
+  // plan(dtype=..., pack_seqs=..., ...) -> dict: make_plan for these static facts (PlanInputs,
+  // the same names; dtype by its numpy name). The workspaces are float32 elements per pack.
+  m.def(
+      "plan",
+      [](const std::string& dtype, int64_t pack_seqs, int64_t pack_rows_q, int64_t pack_rows_k,
+         int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads, int64_t kv_num_heads, int64_t head_dim,
+         int64_t head_dim_v, int64_t num_packs, int compute_major) {
+        jax_varlen::PlanInputs in;
+        in.dtype = dtype_of(dtype);
+        in.num_packs = num_packs;
+        in.pack_seqs = pack_seqs;
+        in.pack_rows_q = pack_rows_q;
+        in.pack_rows_k = pack_rows_k;
+        in.seqlen_q = seqlen_q;
+        in.seqlen_k = seqlen_k;
+        in.num_heads = num_heads;
+        in.kv_num_heads = kv_num_heads;
+        in.head_dim = head_dim;
+        in.head_dim_v = head_dim_v;
+        in.compute_major = compute_major;
+        const jax_varlen::Plan plan = jax_varlen::make_plan(in);
+        nb::dict d;
+        d["unsupported"] = plan.unsupported;  // why CUDA cannot take the call; "" when it can
+        if (!plan.unsupported.empty()) return d;
+        d["head_dim_bucket"] = plan.head_dim_bucket();  // the kernels' D: max(D, Dv) rounded up
+        d["fwd_path"] = path_name(plan.fwd_path);       // dispatch.cu's row, before alignment
+        d["bwd_path"] = path_name(plan.bwd_path);
+        d["split_keys"] = plan.split_keys;              // 0: one pass
+        d["split_workspace_per_pack"] = plan.split_workspace_per_pack;
+        d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
+        d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
+        return d;
+      },
+      nb::kw_only(), nb::arg("dtype"), nb::arg("pack_seqs"), nb::arg("pack_rows_q"), nb::arg("pack_rows_k"),
+      nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("num_heads"), nb::arg("kv_num_heads"),
+      nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("num_packs") = 1, nb::arg("compute_major") = 0);
   m.attr("with_cuda") =
 #ifdef JAX_VARLEN_WITH_CUDA
       true;
 #else
       false;
 #endif
+  m.attr("with_sm90") = jax_varlen::kWithSm90;  // the Hopper kernels (sm_90a) are built in
 }

@@ -70,10 +70,12 @@ struct AttentionParams {
   // Split-KV (decode) path: each sequence's allowed keys are cut into chunks of split_keys
   // keys (a constant, never derived from the batch), each chunk's normalized partial output
   // and base-2 lse go to `workspace`, and a second kernel merges them in chunk order.
-  // split_keys = 0 selects the one-pass kernels. Layout, rows_pad = ceil(seqlen_q * group / 16) * 16:
+  // split_keys = 0 selects the one-pass kernels; the CUDA handler sets both from the plan
+  // (plan/plan.h). Layout, rows_pad = seqlen_q * group rounded up to whole kSplitRowBlock-row
+  // blocks (cuda/limits.h):
   //   o_part   [batch, kv_num_heads, max_splits, rows_pad, head_dim_v] fp32
   //   lse_part [batch, kv_num_heads, max_splits, rows_pad] fp32, right after o_part
-  // (sizes and indices: cuda/common/split_layout.h).
+  // (indices: cuda/common/split_layout.h).
   float* workspace;
   int64_t split_keys;
 
@@ -102,11 +104,10 @@ struct BackwardParams {
   void* d_k;            // [batch, seqlen_k, kv_num_heads, head_dim], k's strides
   void* d_v;            // [batch, seqlen_k, kv_num_heads, head_dim_v], v's strides
   float* delta;         // [batch, num_heads, seqlen_q] fp32 workspace (an XLA output)
-  // The Hopper kernel's dQ workspace (cuda/limits.h has the layout); nullptr on the CPU, and
-  // dq_elements = 0 when the caller sized none.
+  // The Hopper kernel's dQ workspace (cuda/limits.h has the layout, the plan its size;
+  // dispatch.cu points dq_semaphore past the tiles); nullptr on the CPU.
   float* dq_accum;
   int32_t* dq_semaphore;
-  int64_t dq_elements;
 };
 
 }  // namespace jax_varlen

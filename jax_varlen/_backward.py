@@ -15,8 +15,8 @@ Static parameter: ``config``, the forward's :class:`AttentionConfig`.
 The FFI call is the same on every platform (targets ``_ffi.BWD_CPU_TARGET`` and
 ``_ffi.BWD_CUDA_TARGET``, packed: ``_ffi.PACKED_BWD_*``): the operands in this order; results
 d_query, d_key, d_value and ``delta`` (float32, lse's shape, a workspace that the lowering adds
-and drops), and on CUDA the Hopper kernel's dQ workspace (float32, :func:`dq_workspace_shape`;
-empty for the packed layout, which the Hopper backward does not take); attributes ``scale``
+and drops), and on CUDA the Hopper kernel's dQ workspace (float32 ``[N, per pack]``, the size
+the plan gives, ``_primitive.cuda_plan``; empty where that kernel never runs); attributes ``scale``
 (f32), ``is_causal`` (bool), ``softcap`` (f32), packed: ``max_seqlen_q``, ``max_seqlen_k``
 (i64). The math is in ffi/params.h (``BackwardParams``): keys at or past ``n_b`` get exactly
 zero gradient and are never read, rows with no allowed key contribute nothing, lengths are
@@ -33,14 +33,12 @@ from jax.interpreters import batching
 from jax_varlen import _checkify, _ffi, _sharding
 from jax_varlen._config import AttentionConfig
 from jax_varlen._primitive import (
-    BWD_BLOCK_M,
-    BWD_SM90_MAX_HEAD_DIM,
-    HEAD_DIM_BUCKETS,
     batch_rule,
+    cuda_plan,
     ffi_attrs,
     jit_impl,
     lower_cpu,
-    require_cuda_kernels,
+    workspace_aval,
 )
 
 attention_bwd_p = Primitive("jax_varlen_attention_bwd")
@@ -81,45 +79,34 @@ for _p in (attention_bwd_p, packed_attention_bwd_p):
     batching.primitive_batchers[_p] = batch_rule(_p)
 
 
-def dq_workspace_shape(query_aval, value_aval, pack_seqs=1):
-    """Float32 dQ workspace of the Hopper backward (layout: ffi/cuda/limits.h): per (pack, head,
-    slot of M = BWD_BLOCK_M[bucket] rows) an fp32 partial sum of a row block's dQ and a counter.
-    A pack of ``pack_seqs`` sequences over ``Tq`` rows has ceil(Tq / M) + pack_seqs - 1 slots
-    (each sequence's blocks in slots of their own; the padded batch: one sequence per pack).
-    Empty when the head sizes' bucket is past the kernel's, or a pack holds no sequence."""
-    N, Tq, H, D = query_aval.shape
-    dim = next(b for b in HEAD_DIM_BUCKETS if max(D, value_aval.shape[3]) <= b)
-    if dim > BWD_SM90_MAX_HEAD_DIM or pack_seqs < 1:
-        return (0,)
-    block_m = BWD_BLOCK_M[dim]
-    slots = -(-Tq // block_m) + pack_seqs - 1
-    return (N * H * slots * (block_m * dim + 1),)
-
-
-def _with_workspaces(lower, workspaces_of=lambda ctx: ()):
+def _with_workspaces(lower, workspaces_of=lambda ctx, config: ()):
     """``lower`` (a forward-style lowering of the call's operands and results) given the extra
     results the handlers write: delta first (lse's shape), then the platform's own
-    (``workspaces_of(ctx)``: shapes). XLA allocates them (the handlers never do), and nothing
-    reads them after the call."""
+    (``workspaces_of(ctx, config)``: avals). XLA allocates them (the handlers never do), and
+    nothing reads them after the call."""
 
     def lowering(ctx, *args, config):
         delta = jax.core.ShapedArray(ctx.avals_in[-3].shape, jnp.float32)  # lse's
-        extra = [delta, *(jax.core.ShapedArray(s, jnp.float32) for s in workspaces_of(ctx))]
+        extra = [delta, *workspaces_of(ctx, config)]
         results = lower(ctx.replace(avals_out=[*ctx.avals_out, *extra]), *args, config=config)
         return list(results[:3])  # d_query, d_key, d_value
 
     return lowering
 
 
-def _lower_cuda(target, workspaces_of):
+def _dq_workspace(ctx, config):
+    """The CUDA call's one workspace: the Hopper backward's dQ (float32, the plan's size)."""
+    plan = cuda_plan(ctx.avals_in, config)
+    return [workspace_aval(ctx.avals_in, plan["dq_workspace_per_pack"])]
+
+
+def _lower_cuda(target):
     """The CUDA lowering of a backward primitive (with its workspaces)."""
 
     def lower(ctx, *args, config):
-        query, _, value = ctx.avals_in[:3]
-        require_cuda_kernels(query.shape[-1], value.shape[-1])
         return jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(config))
 
-    return _with_workspaces(lower, workspaces_of)
+    return _with_workspaces(lower, _dq_workspace)
 
 
 # Like the forward: batch (packs) and whole kv-head groups split with no communication; the
@@ -137,8 +124,7 @@ _sharding.register(
     abstract_eval=_abstract_eval,
     lowerings={
         "cpu": _with_workspaces(lower_cpu(_ffi.BWD_CPU_TARGET)),
-        "cuda": _lower_cuda(_ffi.BWD_CUDA_TARGET, lambda ctx: [
-            dq_workspace_shape(ctx.avals_in[0], ctx.avals_in[2])]),
+        "cuda": _lower_cuda(_ffi.BWD_CUDA_TARGET),
     },
     targets=(_ffi.BWD_CPU_TARGET, _ffi.BWD_CUDA_TARGET),
 )
@@ -153,9 +139,7 @@ _sharding.register(
     abstract_eval=_abstract_eval,
     lowerings={
         "cpu": _with_workspaces(lower_cpu(_ffi.PACKED_BWD_CPU_TARGET)),
-        # cu_seqlens_q is [N, B + 1]: B sequences per pack.
-        "cuda": _lower_cuda(_ffi.PACKED_BWD_CUDA_TARGET, lambda ctx: [
-            dq_workspace_shape(ctx.avals_in[0], ctx.avals_in[2], ctx.avals_in[3].shape[1] - 1)]),
+        "cuda": _lower_cuda(_ffi.PACKED_BWD_CUDA_TARGET),
     },
     targets=(_ffi.PACKED_BWD_CPU_TARGET, _ffi.PACKED_BWD_CUDA_TARGET),
 )

@@ -30,26 +30,6 @@ from jax.interpreters import batching
 from jax_varlen import _checkify, _ffi, _sharding
 from jax_varlen._config import AttentionConfig
 
-# The CUDA path's limits, read from the C++ headers that define them (ffi/cuda/limits.h) through
-# the extension, which exports them in a CPU-only build too. The CUDA kernels take head sizes up
-# to CUDA_MAX_HEAD_DIM (smaller ones round up to a bucket). Split-KV (decode) path: used for up
-# to SPLIT_MAX_SEQLEN_Q queries per sequence, cutting each sequence's keys into chunks of
-# SPLIT_KEYS. The chunk is a constant (never derived from the batch), so a sequence's result does
-# not depend on its batch-mates. In a source tree that was never built they are None: every
-# lowering loads the extension first and raises there.
-try:
-    _CONSTANTS = _ffi.extension().constants()
-except ImportError:
-    _CONSTANTS = {}
-CUDA_MAX_HEAD_DIM = _CONSTANTS.get("cuda_max_head_dim")
-SPLIT_MAX_SEQLEN_Q = _CONSTANTS.get("split_max_seqlen_q")
-SPLIT_KEYS = _CONSTANTS.get("split_keys")
-# Head-dim buckets of the tensor-core kernels, and the Hopper backward's rows per dQ block (per
-# bucket, 0 past its largest) and largest bucket (its dQ workspace, _backward.py).
-HEAD_DIM_BUCKETS = _CONSTANTS.get("head_dim_buckets")
-BWD_BLOCK_M = dict(zip(HEAD_DIM_BUCKETS or (), _CONSTANTS.get("bwd_block_m", ())))
-BWD_SM90_MAX_HEAD_DIM = _CONSTANTS.get("bwd_sm90_max_head_dim")
-
 attention_fwd_p = Primitive("jax_varlen_attention_fwd")
 attention_fwd_p.multiple_results = True
 packed_attention_fwd_p = Primitive("jax_varlen_packed_attention_fwd")
@@ -149,35 +129,20 @@ def lower_cpu(target: str):
     return lower
 
 
-def grid_extents(avals_in, config: AttentionConfig) -> tuple[int, int, int]:
-    """``(sequences, Sq, Skv)`` the kernels' grids are sized for: the padded batch's extents, or
-    the packed layout's ``N * B`` sequences and ``max_seqlen_q/k`` (ffi/params.h)."""
-    query, key = avals_in[:2]
-    if config.max_seqlen_q is None:
-        return query.shape[0], query.shape[1], key.shape[1]
-    cu_seqlens_q = avals_in[3]
-    return query.shape[0] * (cu_seqlens_q.shape[1] - 1), config.max_seqlen_q, config.max_seqlen_k
+def cuda_plan(avals_in, config: AttentionConfig) -> dict:
+    """The CUDA call's plan (ffi/plan/plan.h, the extension's ``plan()``) for a primitive's
+    operands: paths, head-dim bucket and every workspace's float32 elements per pack. The CUDA
+    handler makes the same plan from the same shapes and rejects workspaces of other sizes.
 
+    Its inputs are named as in ffi/params.h: the padded batch is a pack per sequence; the packed
+    layout's ``cu_seqlens_q`` [N, B + 1] gives B sequences per pack and the ``max_seqlen_q/k``
+    hints the grids' extents. No workspace depends on the number of packs (which may be
+    symbolic here), so the plan is asked for one.
 
-def split_keys_for(dtype, seqlen_q: int) -> int:
-    """Keys per split-KV chunk for this call on CUDA, or 0 for the one-pass kernel."""
-    short = seqlen_q <= SPLIT_MAX_SEQLEN_Q
-    return SPLIT_KEYS if short and dtype in (jnp.float16, jnp.bfloat16) else 0
-
-
-def split_workspace_shape(batch: int, seqlen_q: int, seqlen_k: int, num_heads: int,
-                          kv_num_heads: int, head_dim_v: int, split_keys: int):
-    """Float32 workspace of the split-KV path (layout: ffi/params.h), empty when unused."""
-    if not split_keys:
-        return (0,)
-    rows_pad = -(-seqlen_q * (num_heads // kv_num_heads) // 16) * 16
-    max_splits = -(-seqlen_k // split_keys)
-    return (batch * kv_num_heads * max_splits * rows_pad * (head_dim_v + 1),)
-
-
-def require_cuda_kernels(head_dim: int, head_dim_v: int) -> None:
-    """Raises unless the extension carries its CUDA kernels and they take these head sizes
-    (the forward's and the backward's CUDA lowerings both check this)."""
+    Raises ``RuntimeError`` if the extension has no CUDA kernels and ``ValueError`` if they
+    cannot take the call (head sizes past the largest bucket, more kv heads or sequences than
+    the grids hold), with the plan's message.
+    """
     if not _ffi.has_cuda():
         raise RuntimeError(
             "jax_varlen was built without its CUDA kernels, so it cannot run on a GPU. "
@@ -185,29 +150,41 @@ def require_cuda_kernels(head_dim: int, head_dim_v: int) -> None:
             "with JAX_VARLEN_CUDA=ON; to run on the CPU, place the inputs there "
             "(jax.device_put(x, jax.devices('cpu')[0]))."
         )
-    if max(head_dim, head_dim_v) > CUDA_MAX_HEAD_DIM:
-        raise ValueError(
-            f"jax_varlen on CUDA supports head sizes up to {CUDA_MAX_HEAD_DIM}; got query/key "
-            f"head size {head_dim} and value head size {head_dim_v}"
-        )
+    query, key, value = avals_in[:3]
+    _, pack_rows_q, num_heads, head_dim = query.shape
+    _, pack_rows_k, kv_num_heads, _ = key.shape
+    head_dim_v = value.shape[3]
+    if config.max_seqlen_q is None:
+        pack_seqs, seqlen_q, seqlen_k = 1, pack_rows_q, pack_rows_k
+    else:
+        pack_seqs, seqlen_q, seqlen_k = (avals_in[3].shape[1] - 1, config.max_seqlen_q,
+                                         config.max_seqlen_k)
+    plan = _ffi.extension().plan(
+        dtype=jnp.dtype(query.dtype).name, pack_seqs=pack_seqs, pack_rows_q=pack_rows_q,
+        pack_rows_k=pack_rows_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads,
+        kv_num_heads=kv_num_heads, head_dim=head_dim, head_dim_v=head_dim_v)
+    if plan["unsupported"]:
+        raise ValueError(plan["unsupported"])
+    return plan
+
+
+def workspace_aval(avals_in, per_pack: int) -> jax.core.ShapedArray:
+    """A float32 workspace of the CUDA call, ``[N, per_pack]``: like every operand it leads with
+    the packs (the batch), so XLA's batch partitioner splits it with them; the layout inside is
+    the kernels' (ffi/params.h, ffi/cuda/limits.h)."""
+    return jax.core.ShapedArray((avals_in[0].shape[0], per_pack), jnp.float32)
 
 
 def lower_cuda(target: str):
-    """The CUDA lowering of a forward primitive: its operands and results, plus the split-KV
-    workspace, a third result that only the CUDA call has: XLA allocates it (the handler never
-    does), and nothing reads it after the call."""
+    """The CUDA lowering of a forward primitive: its operands and results, plus the plan's
+    split-KV workspace, a third result that only the CUDA call has: XLA allocates it (the
+    handler never does), and nothing reads it after the call."""
 
     def lower(ctx, *args, config):
-        q_aval, k_aval, v_aval = ctx.avals_in[:3]
-        require_cuda_kernels(q_aval.shape[-1], v_aval.shape[-1])
-        batch, seqlen_q, seqlen_k = grid_extents(ctx.avals_in, config)
-        split_keys = split_keys_for(q_aval.dtype, seqlen_q)
-        shape = split_workspace_shape(batch, seqlen_q, seqlen_k, q_aval.shape[2], k_aval.shape[2],
-                                      v_aval.shape[3], split_keys)
-        ctx = ctx.replace(avals_out=[*ctx.avals_out, jax.core.ShapedArray(shape, jnp.float32)])
-        out, lse, _ = jax.ffi.ffi_lowering(target)(
-            ctx, *args, **ffi_attrs(config), split_keys=np.int64(split_keys)
-        )
+        plan = cuda_plan(ctx.avals_in, config)
+        workspace = workspace_aval(ctx.avals_in, plan["split_workspace_per_pack"])
+        ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
+        out, lse, _ = jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(config))
         return [out, lse]
 
     return lower

@@ -18,10 +18,9 @@ import pytest
 from jax.experimental import checkify
 
 import jax_varlen
-from jax_varlen import _export
+from jax_varlen import _export, _ffi
 from conftest import DTYPES, EXPORT_PLATFORM, assert_lse_close, assert_out_close, bits
 from jax_varlen._autodiff import PACKED_FORWARD_MODE_MESSAGE, SECOND_ORDER_MESSAGE
-from jax_varlen._primitive import BWD_BLOCK_M, SPLIT_MAX_SEQLEN_Q
 
 GRAD_RTOL = {jnp.dtype(jnp.float32): 5e-5, jnp.dtype(jnp.float16): 4e-3,
              jnp.dtype(jnp.bfloat16): 3e-2}
@@ -78,20 +77,41 @@ def packed_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, **kw):
     return _packed_vjp(tuple(sorted(kw.items())))(q, k, v, cu_q, cu_k, ct_out, ct_lse)
 
 
+def cuda_plan(q, k, v, *, pack_seqs, rows, seqlen, dims=None):
+    """The CUDA plan (ffi/plan/plan.h) of a call with the dtype and heads of q [Tq, H, D],
+    k [Tk, Hkv, D], v [Tk, Hkv, Dv] and head sizes ``dims`` (default (D, Dv)): ``pack_seqs``
+    sequences over ``rows`` (query, key) rows per pack, grids of ``seqlen`` (query, key) rows."""
+    head_dim, head_dim_v = dims or (q.shape[2], v.shape[2])
+    return _ffi.extension().plan(
+        dtype=q.dtype.name, pack_seqs=pack_seqs, pack_rows_q=int(rows[0]), pack_rows_k=int(rows[1]),
+        seqlen_q=int(seqlen[0]), seqlen_k=int(seqlen[1]), num_heads=q.shape[1],
+        kv_num_heads=k.shape[1], head_dim=head_dim, head_dim_v=head_dim_v)
+
+
 def padded_alone(q, k, v, cu_q, cu_k, ct_out, ct_lse, b, grid_q, **kw):
     """Sequence b of a packed call alone through ``attention`` (B = 1, Skv = len_k): its out,
     lse and gradients (the packed cotangents' rows of b), on the kernel path that the packed
-    call takes. A packed call whose query extent ``grid_q`` (max_seqlen_q, else Tq) is past
-    SPLIT_MAX_SEQLEN_Q runs the one-pass kernels for every sequence, while a padded call of
-    Sq <= SPLIT_MAX_SEQLEN_Q rows would take the split-KV one; so a short sequence gets
-    leading query rows of zeros with zero cotangents, as many as the largest BWD_BLOCK_M. They
-    change no bit of the real rows: rows are independent in the forward, tail alignment counts
-    from the last row, the backward groups rows in blocks of BWD_BLOCK_M (which divide the
-    lead), and a block of zero cotangents adds exact zeros to dK and dV."""
+    call takes. Where the plan gives the packed call (query extent ``grid_q``: max_seqlen_q,
+    else Tq) the one-pass kernels but a padded call of Sq = len_q rows split-KV, the short
+    sequence gets leading query rows of zeros with zero cotangents, as many as the largest row
+    block of any backward. They change no bit of the real rows: rows are
+    independent in the forward, tail alignment counts from the last row, the backward groups
+    rows in blocks that divide the lead, and a block of zero cotangents adds exact zeros to dK
+    and dV."""
     cq, ck = np.asarray(cu_q), np.asarray(cu_k)
     rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-    len_q = cq[b + 1] - cq[b]
-    lead = max(BWD_BLOCK_M.values()) if grid_q > SPLIT_MAX_SEQLEN_Q >= len_q else 0
+    len_q, len_k = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+    Tq, Tk = q.shape[0], k.shape[0]
+    packed = cuda_plan(q, k, v, pack_seqs=len(cq) - 1, rows=(Tq, Tk), seqlen=(grid_q, Tk))
+    alone = lambda rows_q: cuda_plan(  # noqa: E731
+        q, k, v, pack_seqs=1, rows=(rows_q, len_k), seqlen=(rows_q, len_k))
+    lead = 0
+    if not packed["split_keys"] and alone(len_q)["split_keys"]:
+        # The Hopper backward's largest row block (at the smallest head-dim bucket), which every
+        # backward's row block divides (its own at larger buckets, sm80's and the CPU's 64).
+        lead = cuda_plan(q, k, v, pack_seqs=1, rows=(Tq, Tk), seqlen=(Tq, Tk),
+                         dims=(8, 8))["bwd_block_m"]
+        assert not alone(len_q + lead)["split_keys"], "the lead must move the call off split-KV"
     pad = lambda x, axis=0: jnp.concatenate(  # noqa: E731
         [jnp.zeros(x.shape[:axis] + (lead,) + x.shape[axis + 1:], x.dtype), x], axis)
     n = jnp.asarray([ck[b + 1] - ck[b]], jnp.int32)

@@ -5,33 +5,48 @@
 
 #include <string>
 
-#include "cuda/common/split_layout.h"
 #include "cuda/launch.h"
-#include "cuda/limits.h"
 #include "handler_common.h"
 
 namespace jax_varlen {
 namespace {
 
-constexpr int64_t kMaxGridYZ = 65535;
+// The plan of a call (plan/plan.h) on the current device, or why CUDA cannot take it.
+ffi::ErrorOr<Plan> plan_call(const AttentionParams& p) {
+  const int major = cuda::device_major();
+  if (major == 0)
+    return ffi::Unexpected(ffi::Error::Internal("jax_varlen: cannot read the CUDA device's compute capability"));
+  Plan plan = make_plan(plan_inputs(p, major));
+  if (!plan.unsupported.empty()) return ffi::Unexpected(ffi::Error::InvalidArgument(plan.unsupported));
+  return plan;
+}
 
-ffi::Error check_cuda_limits(const AttentionParams& p);
+// A workspace XLA allocated has the size the lowering asked for, from the same plan; any other
+// size (an exported call from another jax_varlen, a caller of the FFI target) is an error, never
+// another kernel.
+ffi::Error check_workspace(const char* name, size_t given, int64_t num_packs, int64_t per_pack) {
+  if (given == size_t(num_packs * per_pack)) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string("jax_varlen: ") + name + " has " + std::to_string(given) +
+                                     " float32 elements, the plan expects " + std::to_string(num_packs) +
+                                     " x " + std::to_string(per_pack) + " (packs x per pack)");
+}
 
-// The forward of either layout, once its params are made: the split-KV workspace, the limits,
-// the launch.
-ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream, float* workspace,
-                   size_t workspace_floats, int64_t split_keys) {
+// The forward of either layout, once its params are made: the plan, its split-KV workspace, the
+// launch.
+ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
+                   ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
   if (!params) return params.error();
   AttentionParams& p = *params;
-  p.workspace = workspace;
-  p.split_keys = split_keys;
-  if (split_keys < 0 || (split_keys > 0 && workspace_floats != size_t(cuda::split_workspace_floats(p))))
-    return ffi::Error::InvalidArgument(
-        "jax_varlen: split-KV workspace has " + std::to_string(workspace_floats) +
-        " floats, expected " + std::to_string(split_keys > 0 ? cuda::split_workspace_floats(p) : 0));
-  if (auto err = check_cuda_limits(p); err.failure()) return err;
+  const auto plan = plan_call(p);
+  if (!plan) return plan.error();
+  if (auto err = check_workspace("the split-KV workspace", workspace->element_count(), p.num_packs,
+                                 plan->split_workspace_per_pack);
+      err.failure())
+    return err;
+  p.workspace = workspace->typed_data();
+  p.split_keys = plan->split_keys;
   if (p.num_packs * p.pack_rows_q == 0 || p.num_heads == 0) return ffi::Error::Success();  // no output
-  const cudaError_t err = cuda::run_fwd(p, stream);
+  const cudaError_t err = cuda::run_fwd(p, *plan, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_varlen: CUDA forward failed: ") +
                                 cudaGetErrorString(err));
@@ -43,9 +58,9 @@ ffi::Error attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::An
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::F32>> lse,
                               ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
-                              bool is_causal, float softcap, int64_t split_keys) {
+                              bool is_causal, float softcap) {
   return run_fwd(make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, scale, is_causal, softcap),
-                 stream, workspace->typed_data(), workspace->element_count(), split_keys);
+                 stream, workspace);
 }
 
 ffi::Error packed_attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key,
@@ -54,23 +69,10 @@ ffi::Error packed_attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, 
                                      ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                      ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
                                      bool is_causal, float softcap, int64_t max_seqlen_q,
-                                     int64_t max_seqlen_k, int64_t split_keys) {
+                                     int64_t max_seqlen_k) {
   return run_fwd(make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, *out, *lse, scale, is_causal,
                                     softcap, max_seqlen_q, max_seqlen_k),
-                 stream, workspace->typed_data(), workspace->element_count(), split_keys);
-}
-
-// Limits shared by both directions: head sizes of the kernels, grid y/z extents.
-ffi::Error check_cuda_limits(const AttentionParams& p) {
-  if (p.head_dim > cuda::kMaxHeadDim || p.head_dim_v > cuda::kMaxHeadDim)
-    return ffi::Error::InvalidArgument(
-        "jax_varlen: CUDA head sizes must be <= " + std::to_string(cuda::kMaxHeadDim) +
-        ", got head_dim " + std::to_string(p.head_dim) + " and head_dim_v " + std::to_string(p.head_dim_v));
-  if (p.batch > kMaxGridYZ || p.kv_num_heads > kMaxGridYZ)
-    return ffi::Error::InvalidArgument(
-        "jax_varlen: CUDA supports batch and kv_num_heads up to 65535, got " +
-        std::to_string(p.batch) + " and " + std::to_string(p.kv_num_heads));
-  return ffi::Error::Success();
+                 stream, workspace);
 }
 
 // The backward of either layout (params.h, BackwardParams): d_query, d_key, d_value and the
@@ -80,11 +82,15 @@ ffi::Error run_bwd(ffi::ErrorOr<BackwardParams> params, cudaStream_t stream,
                    ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace) {
   if (!params) return params.error();
   BackwardParams bp = *params;
+  const auto plan = plan_call(bp.fwd);
+  if (!plan) return plan.error();
+  if (auto err = check_workspace("the dQ workspace", dq_workspace->element_count(), bp.fwd.num_packs,
+                                 plan->dq_workspace_per_pack);
+      err.failure())
+    return err;
   bp.dq_accum = dq_workspace->typed_data();
-  bp.dq_elements = int64_t(dq_workspace->element_count());
-  if (auto err = check_cuda_limits(bp.fwd); err.failure()) return err;
   if (bp.fwd.num_packs == 0 || bp.fwd.num_heads == 0) return ffi::Error::Success();
-  const cudaError_t err = cuda::run_bwd(bp, stream);
+  const cudaError_t err = cuda::run_bwd(bp, *plan, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_varlen: CUDA backward failed: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
@@ -130,11 +136,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // nonpad_kv_seqlen [B], on the device
         .Ret<xla::ffi::AnyBuffer>()                     // out [B, Sq, H, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [B, H, Sq]
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // workspace: split-KV partials (params.h)
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // split-KV partials [B, plan's per pack] (params.h)
         .Attr<float>("scale")                           // multiplies <q, k>
         .Attr<bool>("is_causal")                        // tail-aligned causal mask
-        .Attr<float>("softcap")                         // 0 = off
-        .Attr<int64_t>("split_keys"),                   // 0 = one pass; else keys per split
+        .Attr<float>("softcap"),                        // 0 = off
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -153,7 +158,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d_key [B, Skv, Hkv, D]
         .Ret<xla::ffi::AnyBuffer>()                     // d_value [B, Skv, Hkv, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [B, H, Sq]: workspace
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // dQ workspace of the Hopper kernel (limits.h)
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // Hopper dQ workspace [B, plan's per pack] (limits.h)
         .Attr<float>("scale")                           // multiplies <q, k>
         .Attr<bool>("is_causal")                        // tail-aligned causal mask
         .Attr<float>("softcap"),                        // 0 = off
@@ -170,13 +175,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_k [N, B + 1], on the device
         .Ret<xla::ffi::AnyBuffer>()                     // out [N, Tq, H, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [N, H, Tq]
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // workspace: split-KV partials (params.h)
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // split-KV partials [N, plan's per pack] (params.h)
         .Attr<float>("scale")                           // multiplies <q, k>
         .Attr<bool>("is_causal")                        // tail-aligned per sequence
         .Attr<float>("softcap")                         // 0 = off
         .Attr<int64_t>("max_seqlen_q")                  // longest query run: the grids' rows
-        .Attr<int64_t>("max_seqlen_k")                  // longest key run
-        .Attr<int64_t>("split_keys"),                   // 0 = one pass; else keys per split
+        .Attr<int64_t>("max_seqlen_k"),                 // longest key run
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -196,7 +200,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d_key [N, Tk, Hkv, D]
         .Ret<xla::ffi::AnyBuffer>()                     // d_value [N, Tk, Hkv, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [N, H, Tq]: workspace
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // dQ workspace: empty (no Hopper path)
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // Hopper dQ workspace [N, plan's per pack] (limits.h)
         .Attr<float>("scale")                           // multiplies <q, k>
         .Attr<bool>("is_causal")                        // tail-aligned per sequence
         .Attr<float>("softcap")                         // 0 = off

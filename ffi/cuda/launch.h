@@ -9,6 +9,7 @@
 
 #include "cuda/limits.h"
 #include "params.h"
+#include "plan/plan.h"
 
 namespace jax_varlen::cuda {
 
@@ -35,7 +36,7 @@ cudaError_t run_bwd_simt(const BackwardParams& bp, cudaStream_t stream);
 namespace sm90 {
 // Hopper one-pass path (sm_90a only, ffi/cuda/sm90/, its own object library), Elem __half or
 // __nv_bfloat16, kHeadDim a bucket. dispatch.cu decides which calls it takes.
-constexpr int kBlockM = 128;  // query rows of one work unit, at every head size
+constexpr int kBlockM = kFwdSm90BlockM;  // query rows of one work unit, at every head size
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream);
 // Hopper backward (bwd_sm90.cuh), after the preprocess, for buckets up to kBwdSm90MaxHeadDim:
@@ -44,8 +45,12 @@ template <typename Elem, int kHeadDim>
 cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream);
 }  // namespace sm90
 
-// Pick the kernels for the call on the current device and launch them on stream.
-cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
-cudaError_t run_bwd(const BackwardParams& bp, cudaStream_t stream);
+// Compute capability major of the current device (read once per device; 0 if it cannot be read):
+// the handlers plan with it.
+int device_major();
+// Launch the kernels of the plan's path (made for this call and device_major()) on stream, or
+// the path the buffers' alignment leaves (dispatch.cu).
+cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t stream);
+cudaError_t run_bwd(const BackwardParams& bp, const Plan& plan, cudaStream_t stream);
 
 }  // namespace jax_varlen::cuda

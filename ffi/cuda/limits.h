@@ -1,7 +1,10 @@
-// Constants of the CUDA path that Python needs too: bindings.cc exports them (constants()) and
-// jax_varlen/_primitive.py reads them from there instead of repeating them. Plain C++ with no
-// CUDA headers, so a CPU-only build exports them as well.
+// Constants of the CUDA path: buckets, tiles, limits and the workspaces' row arithmetic. The
+// plan (ffi/plan/plan.h) reads them to decide a call, the kernels to size their tiles, and
+// cmake/cuda.cmake the buckets. Plain C++ with no CUDA headers, so the CPU-only build (which
+// exports the plan to Python) compiles them too.
 #pragma once
+
+#include <cstdint>
 
 namespace jax_varlen::cuda {
 
@@ -12,19 +15,41 @@ constexpr int kNumHeadDimBuckets = sizeof(kHeadDimBuckets) / sizeof(kHeadDimBuck
 // Largest head size (D and Dv) of every CUDA kernel, the portable one included.
 constexpr int kMaxHeadDim = kHeadDimBuckets[kNumHeadDimBuckets - 1];
 
-// Split-KV (decode) path: taken for f16/bf16 calls with seqlen_q <= kSplitMaxSeqlenQ; each
-// sequence's keys are cut into chunks of kSplitKeys. The chunk is a constant, never derived from
-// the batch, so a sequence's result does not depend on its batch-mates.
+// Split-KV (decode) path: taken for tensor-core calls with seqlen_q <= kSplitMaxSeqlenQ (the
+// plan); each sequence's keys are cut into chunks of kSplitKeys. The chunk is a constant, never
+// derived from the batch, so a sequence's result does not depend on its batch-mates.
 constexpr int kSplitMaxSeqlenQ = 16;
 constexpr int kSplitKeys = 1024;
+// Its workspace (layout: params.h, indices: common/split_layout.h) holds one partial per
+// (sequence, kv head, split, packed row), the packed rows (seqlen_q * group, group = num_heads /
+// kv_num_heads) rounded up to whole kSplitRowBlock-row blocks: the split kernel's MMA tile.
+// Worked example, seqlen_q 3, group 8: 24 rows, padded to 32.
+constexpr int kSplitRowBlock = 16;
+constexpr int64_t split_rows_padded(int64_t seqlen_q, int64_t group) {
+  return (seqlen_q * group + kSplitRowBlock - 1) / kSplitRowBlock * kSplitRowBlock;
+}
+constexpr int64_t split_max_splits(int64_t seqlen_k, int64_t split_keys) {
+  return (seqlen_k + split_keys - 1) / split_keys;
+}
+// Partials of one sequence: [kv_num_heads, max_splits, rows_padded].
+constexpr int64_t split_partials_per_seq(int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads,
+                                         int64_t kv_num_heads, int64_t split_keys) {
+  return kv_num_heads * split_max_splits(seqlen_k, split_keys) *
+         split_rows_padded(seqlen_q, num_heads / kv_num_heads);
+}
+
+// Hopper forward (sm90/fwd_sm90.cuh): query rows of one work unit, at every head size.
+constexpr int kFwdSm90BlockM = 128;
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of kBwdBlockN keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the
-// sm80 kernels). Its dQ workspace (float32 elements, an XLA output the CUDA backward always gets):
+// sm80 kernels). Its dQ workspace (float32 elements, an XLA output the CUDA backward always gets,
+// sized by the plan, ffi/plan/plan.h):
 //   dq_accum     [packs, num_heads, slots, block_m * bucket]   slots = bwd_dq_slots(...)
 //                (each row block's tile in the consumers' register order, bwd_sm90.cuh)
 //   dq_semaphore [packs, num_heads, slots] int32, right after it
-// bucket = the head-dim bucket of max(D, Dv); 0 elements when it is past kBwdSm90MaxHeadDim.
+// bucket = the head-dim bucket of max(D, Dv); 0 elements when the plan gives the call no Hopper
+// backward (a bucket past kBwdSm90MaxHeadDim, float32, ...).
 // Sequence s of a pack (params.h) keeps its row blocks in slots (q_start + s * block_m) /
 // block_m on, so no two sequences share one: ceil(pack_rows_q / block_m) + pack_seqs - 1
 // slots per (pack, head); ceil(Sq / block_m) in the padded batch (a pack per sequence).

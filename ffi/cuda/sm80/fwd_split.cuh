@@ -34,7 +34,7 @@ struct SplitTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16;                           // packed rows per block (one MMA tile)
-  static_assert(kRows == 16, "the workspace pads rows to 16-row blocks (rows_padded)");
+  static_assert(kRows == kSplitRowBlock, "the workspace pads rows to whole blocks (limits.h)");
   static constexpr int kBlockN = kHeadDim <= 128 ? 32 : 16;  // keys per warp tile
   // Three 68 KB blocks per SM for D <= 128 (12 warps streaming; registers capped at 170).
   static constexpr int kMinBlocksPerSm = kHeadDim <= 128 ? 3 : 1;

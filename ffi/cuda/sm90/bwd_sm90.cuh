@@ -658,7 +658,7 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
                        make_shape(int(rows), int(dim), int(heads), int(batch)),
                        make_stride(row_stride, _1{}, head_stride, batch_stride));
   };
-  // [packs, pack rows, heads, dim] (dispatch.cu, sm90_takes: pack rows >= 1, TMA strides).
+  // [packs, pack rows, heads, dim] (plan/plan.h: pack rows >= 1, TMA strides).
   auto mQ = view(p.q, p.pack_rows_q, p.head_dim, p.num_heads, p.num_packs, p.q_row_stride, p.q_head_stride,
                  p.q_batch_stride);
   auto mdO = view(bp.d_out, p.pack_rows_q, p.head_dim_v, p.num_heads, p.num_packs, p.out_row_stride,

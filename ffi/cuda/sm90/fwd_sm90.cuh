@@ -595,7 +595,7 @@ cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Element = typename CutlassElem<Elem>::type;
   using Tr = FwdTraits<Element, kHeadDim>;
   // [packs, pack rows, heads, dim] views from the params' element strides, which TMA can take
-  // (dispatch.cu, sm90_takes); V is read transposed, (dim, key). Pack rows >= 1 (sm90_takes).
+  // (plan/plan.h); V is read transposed, (dim, key). Pack rows >= 1 (the plan).
   auto q_stride = make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride);
   auto k_stride = make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride);
   auto v_stride = make_stride(_1{}, p.v_row_stride, p.v_head_stride, p.v_batch_stride);

@@ -1,0 +1,170 @@
+// make_plan: every decision about a CUDA call that its static shapes fix, made once, here --
+// the forward's and the backward's paths, the head-dim bucket, split-KV, and the size of every
+// workspace. The Python lowering asks it (bindings.cc exports it as plan()) and adds the
+// workspaces it gives to the FFI call; the CUDA handler asks it again for the same shapes and the
+// device's compute capability, rejects buffers of any other size (handler.cu), and runs its path
+// (dispatch.cu, where the buffers' alignment, known only at run time, may still choose the
+// portable kernels). CUTLASS's can_implement / get_workspace_size per kernel is the model.
+// Plain C++17 with no CUDA headers: the CPU-only build exports it too.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/limits.h"
+#include "params.h"
+
+namespace jax_varlen {
+
+// The forward's and the backward's kernel rows of dispatch.cu's table.
+enum class FwdPath : int { kPortable, kSm80Split, kSm80OnePass, kSm90OnePass };
+enum class BwdPath : int { kPortable, kSm80, kSm90 };
+
+// Whether this build carries the Hopper kernels (cmake/cuda.cmake defines JAX_VARLEN_WITH_SM90
+// for the extension when it compiles them for sm_90a).
+#if defined(JAX_VARLEN_WITH_SM90)
+inline constexpr bool kWithSm90 = true;
+#else
+inline constexpr bool kWithSm90 = false;
+#endif
+
+// The static facts of a call, named as in AttentionParams (params.h). The padded batch is a pack
+// per sequence: pack_seqs = 1, seqlen_q/k = pack_rows_q/k = Sq/Skv. Packed: pack_seqs = B,
+// pack_rows_q/k = Tq/Tk, seqlen_q/k = the max_seqlen_q/k hints (the grids' extents).
+struct PlanInputs {
+  DType dtype = DType::kF32;
+  int64_t num_packs = 1;  // N; only the kernels' extent limits read it (workspaces are per pack)
+  int64_t pack_seqs = 1;
+  int64_t pack_rows_q = 0, pack_rows_k = 0;
+  int64_t seqlen_q = 0, seqlen_k = 0;
+  int64_t num_heads = 1, kv_num_heads = 1;
+  int64_t head_dim = 0, head_dim_v = 0;
+  // Compute capability major of the device that runs the call; 0 = unknown (the lowering, which
+  // cannot see it): the path then is the best one this build has (an sm_90 device's with the
+  // Hopper kernels built, else an sm_80 one's).
+  int compute_major = 0;
+};
+
+struct Plan {
+  // Why the CUDA kernels cannot take the call ("" when they can); then nothing below is set.
+  std::string unsupported;
+  int bucket = 0;  // index into cuda::kHeadDimBuckets: the first bucket that holds max(D, Dv)
+  FwdPath fwd_path = FwdPath::kPortable;
+  BwdPath bwd_path = BwdPath::kPortable;
+  // Split-KV: keys per chunk (0: the one-pass kernels) and the workspace, float32 elements per
+  // pack (layout: params.h; 0 without split-KV).
+  int64_t split_keys = 0;
+  int64_t split_workspace_per_pack = 0;
+  // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
+  // workspace, float32 elements per pack (tiles and counters, layout: cuda/limits.h); all 0
+  // when the call never takes that kernel.
+  int bwd_block_m = 0;
+  int64_t dq_slots = 0;
+  int64_t dq_workspace_per_pack = 0;
+
+  int head_dim_bucket() const { return cuda::kHeadDimBuckets[bucket]; }
+  // The dQ workspace's tiles ([num_packs, num_heads, dq_slots, bwd_block_m * bucket] floats);
+  // its int32 counters start right after them.
+  int64_t dq_accum_floats(int64_t num_packs, int64_t num_heads) const {
+    return num_packs * num_heads * dq_slots * bwd_block_m * head_dim_bucket();
+  }
+};
+
+// Workspaces are sized from the static shapes alone, never from the device or the build: the
+// lowering cannot see the device, and an exported call may run on any build. A device or build
+// that does not take the path a workspace serves leaves it unused (an sm_80 device, say, with
+// the Hopper backward's dQ workspace). Nor does a workspace depend on num_packs: a lowering
+// with a symbolic batch asks for one pack, and each workspace is [num_packs, per pack].
+inline Plan make_plan(const PlanInputs& in) {
+  namespace c = cuda;
+  Plan plan;
+  constexpr int64_t kMaxGridYZ = 65535;
+  // The handlers' params (handler_common.h) never break these; a caller of the Python binding may.
+  if (in.num_packs < 0 || in.pack_seqs < 0 || in.pack_rows_q < 0 || in.pack_rows_k < 0 || in.seqlen_q < 0 ||
+      in.seqlen_k < 0 || in.seqlen_q > in.pack_rows_q || in.seqlen_k > in.pack_rows_k || in.num_heads < 0 ||
+      in.kv_num_heads < 1 || in.num_heads % in.kv_num_heads != 0 || in.head_dim < 1 || in.head_dim_v < 1) {
+    plan.unsupported = "jax_varlen: no plan for these shapes (sizes must be >= 0, kv_num_heads must divide "
+                       "num_heads, head sizes >= 1, seqlen_q/k <= pack_rows_q/k)";
+    return plan;
+  }
+  if (in.head_dim > c::kMaxHeadDim || in.head_dim_v > c::kMaxHeadDim) {
+    plan.unsupported = "jax_varlen on CUDA supports head sizes up to " + std::to_string(c::kMaxHeadDim) +
+                       "; got query/key head size " + std::to_string(in.head_dim) +
+                       " and value head size " + std::to_string(in.head_dim_v);
+    return plan;
+  }
+  const int64_t batch = in.num_packs * in.pack_seqs;  // sequences: the grids' extent
+  if (batch > kMaxGridYZ || in.kv_num_heads > kMaxGridYZ) {
+    plan.unsupported = "jax_varlen on CUDA supports up to " + std::to_string(kMaxGridYZ) +
+                       " sequences and kv heads; got " + std::to_string(batch) + " sequences and " +
+                       std::to_string(in.kv_num_heads) + " kv heads";
+    return plan;
+  }
+  const int64_t dim = in.head_dim > in.head_dim_v ? in.head_dim : in.head_dim_v;
+  while (plan.bucket + 1 < c::kNumHeadDimBuckets && dim > c::kHeadDimBuckets[plan.bucket]) ++plan.bucket;
+  const int bucket = plan.head_dim_bucket();
+
+  // The tensor-core kernels (every path but the portable one) take 16-bit inputs in 16-byte
+  // chunks: f16/bf16 with D and Dv multiples of 8 (and 16-byte aligned buffers: dispatch.cu).
+  // Those head sizes also make every stride of the dense layouts (handler_common.h) a multiple
+  // of 16 bytes, which the Hopper kernels' TMA needs.
+  const bool tensor_core_shapes = in.dtype != DType::kF32 && in.head_dim % 8 == 0 && in.head_dim_v % 8 == 0;
+  const int major = in.compute_major != 0 ? in.compute_major : (kWithSm90 ? 9 : 8);
+  const bool tensor_cores = tensor_core_shapes && major >= 8;
+  const bool hopper = kWithSm90 && major == 9;
+  // The Hopper kernels index in 32-bit coordinates, and TMA needs a key row to load (Skv = 0 is
+  // all zero rows, left to the sm80 kernel; packed: max_seqlen_k >= 1, so a pack has one too).
+  const int64_t fwd_units = batch * in.num_heads * ((in.seqlen_q + c::kFwdSm90BlockM - 1) / c::kFwdSm90BlockM);
+  const bool sm90_extents = in.seqlen_k >= 1 && in.pack_rows_q <= INT32_MAX && in.pack_rows_k <= INT32_MAX &&
+                            in.num_packs <= INT32_MAX && fwd_units <= INT32_MAX;
+
+  // Forward. Short queries (decode) take split-KV: its chunks spread a long key range over the
+  // GPU where a one-pass grid would have a block or two per sequence.
+  if (tensor_core_shapes && in.seqlen_q <= c::kSplitMaxSeqlenQ) {
+    plan.split_keys = c::kSplitKeys;
+    plan.split_workspace_per_pack =
+        in.pack_seqs * c::split_partials_per_seq(in.seqlen_q, in.seqlen_k, in.num_heads, in.kv_num_heads,
+                                                 plan.split_keys) *
+        (in.head_dim_v + 1);  // o_part [.., head_dim_v], then lse_part
+  }
+  if (!tensor_cores) plan.fwd_path = FwdPath::kPortable;
+  else if (plan.split_keys > 0) plan.fwd_path = FwdPath::kSm80Split;
+  else if (hopper && sm90_extents) plan.fwd_path = FwdPath::kSm90OnePass;
+  else plan.fwd_path = FwdPath::kSm80OnePass;
+
+  // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim and needs a query row;
+  // its dQ workspace is sized whenever an sm_90 device could take the call.
+  if (tensor_core_shapes && bucket <= c::kBwdSm90MaxHeadDim && in.seqlen_q >= 1 && in.seqlen_k >= 1 &&
+      in.pack_seqs >= 1) {
+    plan.bwd_block_m = c::bwd_block_m(bucket);
+    plan.dq_slots = c::bwd_dq_slots(in.pack_rows_q, in.pack_seqs, plan.bwd_block_m);
+    plan.dq_workspace_per_pack = in.num_heads * plan.dq_slots * (int64_t(plan.bwd_block_m) * bucket + 1);
+  }
+  const int64_t bwd_ctas = (in.seqlen_k + c::kBwdBlockN - 1) / c::kBwdBlockN * batch * in.kv_num_heads;
+  if (!tensor_cores) plan.bwd_path = BwdPath::kPortable;
+  else if (hopper && plan.dq_workspace_per_pack > 0 && sm90_extents && bwd_ctas <= INT32_MAX)
+    plan.bwd_path = BwdPath::kSm90;
+  else plan.bwd_path = BwdPath::kSm80;
+  return plan;
+}
+
+// The plan of a call whose params a handler made (handler_common.h), on a device of compute
+// capability major `compute_major`.
+inline PlanInputs plan_inputs(const AttentionParams& p, int compute_major) {
+  PlanInputs in;
+  in.dtype = p.dtype;
+  in.num_packs = p.num_packs;
+  in.pack_seqs = p.pack_seqs;
+  in.pack_rows_q = p.pack_rows_q;
+  in.pack_rows_k = p.pack_rows_k;
+  in.seqlen_q = p.seqlen_q;
+  in.seqlen_k = p.seqlen_k;
+  in.num_heads = p.num_heads;
+  in.kv_num_heads = p.kv_num_heads;
+  in.head_dim = p.head_dim;
+  in.head_dim_v = p.head_dim_v;
+  in.compute_major = compute_major;
+  return in;
+}
+
+}  // namespace jax_varlen

@@ -1,0 +1,274 @@
+"""The CUDA call's plan (ffi/plan/plan.h) through the extension's ``plan()``, on any machine (the
+CPU-only build exports it too): the path a call takes, its head-dim bucket and the size of every
+workspace; and that lowering for CUDA from this machine gives the FFI calls exactly the plan's
+workspaces (the CUDA handler rejects any other size).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_varlen
+from jax_varlen import _ffi
+
+SPLIT_DTYPES = ["float16", "bfloat16"]
+
+
+def plan(dtype="bfloat16", Sq=4, Skv=2100, H=8, Hkv=2, D=128, Dv=None, **kw):
+    """The plan of a padded call [B, Sq, H, D] x [B, Skv, Hkv, D] (a pack per sequence); ``kw``
+    overrides any input (packed: pack_seqs, pack_rows_q/k; num_packs, compute_major)."""
+    inputs = dict(dtype=dtype, pack_seqs=1, pack_rows_q=Sq, pack_rows_k=Skv, seqlen_q=Sq,
+                  seqlen_k=Skv, num_heads=H, kv_num_heads=Hkv, head_dim=D,
+                  head_dim_v=D if Dv is None else Dv)
+    result = _ffi.extension().plan(**{**inputs, **kw})
+    assert result["unsupported"] == "", result["unsupported"]
+    return result
+
+
+def workspaces(p):
+    return p["split_workspace_per_pack"], p["dq_workspace_per_pack"]
+
+
+def split_limit(dtype):
+    """The longest query extent that takes split-KV, found by asking (up to 256 rows)."""
+    split = [Sq for Sq in range(1, 257) if plan(dtype, Sq=Sq)["split_keys"] > 0]
+    assert split, f"no query extent takes split-KV in {dtype}"
+    return max(split)
+
+
+# --------------------------------------------------------------------------------------------
+# The forward's path and its split-KV workspace.
+
+
+@pytest.mark.parametrize("dtype", SPLIT_DTYPES)
+def test_split_kv_for_short_queries_in_16_bit(dtype):
+    """Every query extent up to one limit (the same in f16 and bf16) takes split-KV with one
+    chunk size whatever the keys and the batch; every longer one the one-pass kernels."""
+    limit = split_limit(dtype)
+    assert limit == split_limit("float16")
+    chunks = {plan(dtype, Sq=Sq, Skv=Skv, num_packs=packs)["split_keys"]
+              for Sq in range(1, limit + 1) for Skv in (0, 1, 5000) for packs in (1, 777)}
+    assert len(chunks) == 1 and chunks.pop() > 0
+    for major in (0, 8, 9):
+        assert plan(dtype, Sq=limit, compute_major=major)["fwd_path"] == "sm80_split"
+        long = plan(dtype, Sq=limit + 1, compute_major=major)
+        assert long["split_keys"] == 0 and long["split_workspace_per_pack"] == 0
+        assert long["fwd_path"] in ("sm80_one_pass", "sm90_one_pass")
+    for Sq in range(limit + 1, 4 * limit):
+        assert plan(dtype, Sq=Sq)["split_keys"] == 0
+
+
+@pytest.mark.parametrize("case", ["float32", "odd-head-dim", "odd-value-head-dim"])
+def test_portable_calls_take_no_workspace(case):
+    """Float32 and head sizes off the multiples of 8 run the portable kernels at any query
+    extent and on any device: no split-KV, no workspace."""
+    kw = {"float32": dict(dtype="float32"), "odd-head-dim": dict(D=60, Dv=64),
+          "odd-value-head-dim": dict(D=64, Dv=36)}[case]
+    for Sq in (1, 4, 300):
+        for major in (0, 8, 9):
+            p = plan(Sq=Sq, compute_major=major, **kw)
+            assert (p["fwd_path"], p["bwd_path"], p["split_keys"]) == ("portable", "portable", 0)
+            assert workspaces(p) == (0, 0) and p["bwd_block_m"] == 0
+
+
+def test_split_workspace_size():
+    """One float32 partial per (sequence, kv head, chunk of keys, padded query row), each
+    head_dim_v + 1 floats (output and lse): a second chunk doubles it, a sequence more in the
+    pack adds as much again, and with no query or key row it is empty."""
+    chunk = plan(Sq=4)["split_keys"]
+    one = plan(Sq=4, Skv=chunk, Dv=64)["split_workspace_per_pack"]
+    assert one > 0 and one % 65 == 0
+    assert plan(Sq=4, Skv=chunk + 1, Dv=64)["split_workspace_per_pack"] == 2 * one
+    assert plan(Sq=4, Skv=chunk, Dv=128)["split_workspace_per_pack"] == one // 65 * 129
+    packed = plan(Sq=4, Skv=chunk, Dv=64, pack_seqs=3, pack_rows_q=40, pack_rows_k=3 * chunk)
+    assert packed["split_workspace_per_pack"] == 3 * one
+    assert plan(Sq=0)["split_workspace_per_pack"] == 0
+    assert plan(Skv=0)["split_workspace_per_pack"] == 0
+    # Rows are padded: one query row and a whole padded block take the same room.
+    assert plan(Sq=1, Hkv=8)["split_workspace_per_pack"] == plan(Sq=2, Hkv=8)[
+        "split_workspace_per_pack"]
+
+
+# --------------------------------------------------------------------------------------------
+# The backward's path and its dQ workspace.
+
+
+@pytest.mark.parametrize("dtype", SPLIT_DTYPES)
+def test_dq_workspace_by_bucket(dtype):
+    """The Hopper backward's dQ workspace is sized for the buckets it takes (64, 128) and not
+    past them (256), nor without a query or a key row; its per-pack size is num_heads x slots x
+    (a tile of bwd_block_m x bucket floats + a counter)."""
+    for D, Dv, bucket in ((64, 64, 64), (48, 64, 64), (128, 72, 128), (96, 128, 128)):
+        p = plan(dtype, Sq=300, D=D, Dv=Dv)
+        assert p["head_dim_bucket"] == bucket and p["bwd_block_m"] > 0
+        unit = p["bwd_block_m"] * bucket + 1
+        assert p["dq_workspace_per_pack"] > 0 and p["dq_workspace_per_pack"] % (8 * unit) == 0
+    for kw in (dict(D=256), dict(D=64, Dv=136), dict(Sq=0), dict(Skv=0)):
+        p = plan(dtype, **{"Sq": 300, **kw})
+        assert p["dq_workspace_per_pack"] == 0 and p["bwd_block_m"] == 0
+        assert p["bwd_path"] == "sm80"
+
+
+def test_dq_workspace_packed():
+    """A pack of B sequences keeps each sequence's row blocks in slots of their own: B - 1 slots
+    more per head than one sequence over the same rows."""
+    one = plan(Sq=300, pack_rows_q=300, pack_seqs=1)
+    four = plan(Sq=100, pack_rows_q=300, pack_seqs=4, seqlen_q=100)
+    unit = one["bwd_block_m"] * one["head_dim_bucket"] + 1
+    assert four["dq_workspace_per_pack"] - one["dq_workspace_per_pack"] == 3 * 8 * unit
+
+
+# --------------------------------------------------------------------------------------------
+# The device: paths change with the compute capability, workspaces never do.
+
+
+@pytest.mark.parametrize("Sq", [4, 300])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_paths_by_compute_capability(Sq, D):
+    by_major = {major: plan(Sq=Sq, D=D, compute_major=major) for major in (0, 7, 8, 9, 10)}
+    assert len({workspaces(p) for p in by_major.values()}) == 1
+    assert (by_major[7]["fwd_path"], by_major[7]["bwd_path"]) == ("portable", "portable")
+    for major in (8, 10):
+        assert by_major[major]["fwd_path"] == ("sm80_split" if Sq == 4 else "sm80_one_pass")
+        assert by_major[major]["bwd_path"] == "sm80"
+    hopper = by_major[9]
+    if _ffi.extension().with_sm90:
+        assert hopper["fwd_path"] == ("sm80_split" if Sq == 4 else "sm90_one_pass")
+        assert hopper["bwd_path"] == ("sm90" if D <= 128 else "sm80")
+    else:
+        assert (hopper["fwd_path"], hopper["bwd_path"]) == (by_major[8]["fwd_path"], "sm80")
+    best = 9 if _ffi.extension().with_sm90 else 8
+    assert by_major[0] == by_major[best]
+
+
+def test_hopper_needs_a_key_row():
+    p = plan(Sq=300, Skv=0, compute_major=9)
+    assert (p["fwd_path"], p["bwd_path"]) == ("sm80_one_pass", "sm80")
+
+
+def test_packed_is_padded_with_packs():
+    """A pack of one sequence over all its rows is the padded call; the packed layout's
+    max_seqlen_q hint (not its rows) decides split-KV."""
+    assert plan(Sq=300, pack_seqs=1, seqlen_q=300) == plan(Sq=300)
+    limit = split_limit("bfloat16")
+    hinted = plan(Sq=300, pack_seqs=5, seqlen_q=limit)
+    assert hinted["split_keys"] > 0 and hinted["split_workspace_per_pack"] > 0
+    assert plan(Sq=300, pack_seqs=5, seqlen_q=limit + 1)["split_keys"] == 0
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [(dict(head_dim=257), r"head sizes up to 256; got query/key head size 257 and value head "
+                          r"size 128"),
+     (dict(head_dim_v=320), r"head sizes up to 256; got query/key head size 128 and value head "
+                            r"size 320"),
+     (dict(kv_num_heads=70000, num_heads=70000), r"up to 65535 sequences and kv heads; got 1 "
+                                                  r"sequences and 70000 kv heads"),
+     (dict(pack_seqs=70000, pack_rows_q=70000), r"got 70000 sequences"),
+     (dict(kv_num_heads=3), r"kv_num_heads must divide num_heads"),
+     (dict(seqlen_q=5, pack_rows_q=4), r"seqlen_q/k <= pack_rows_q/k")],
+)
+def test_unsupported_calls(kw, match):
+    inputs = dict(dtype="bfloat16", pack_seqs=1, pack_rows_q=4, pack_rows_k=16, seqlen_q=4,
+                  seqlen_k=16, num_heads=8, kv_num_heads=2, head_dim=128, head_dim_v=128)
+    p = _ffi.extension().plan(**{**inputs, **kw})
+    assert re.search(match, p["unsupported"]), p["unsupported"]
+    assert set(p) == {"unsupported"}
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="float64"):
+        plan("float64")
+
+
+# --------------------------------------------------------------------------------------------
+# Lowering for CUDA on this machine: the FFI calls carry the plan's workspaces.
+
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """Lowering for CUDA as a CUDA build would (the lowering only asks the plan; a CPU-only
+    build refuses it otherwise)."""
+    monkeypatch.setattr(_ffi, "has_cuda", lambda: True)
+
+
+def _custom_call_results(text: str, target: str) -> list[str]:
+    """The result types of the one custom call to ``target`` in a StableHLO module's text."""
+    calls = [line for line in text.splitlines() if f"custom_call @{target}(" in line]
+    assert len(calls) == 1, f"{len(calls)} calls to {target}"
+    results = calls[0].rsplit("->", 1)[1]
+    return re.findall(r"tensor<[^>]*>", results)
+
+
+def _export_for_cuda(fn, *specs):
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=jax_varlen.export_disabled_checks())(*specs)
+    return exported.mlir_module()
+
+
+def _train_step(attn):
+    """Out and the gradients of sum(out) with respect to q, k, v: both FFI calls."""
+    def step(q, k, v, *lengths):
+        f = lambda q, k, v: attn(q, k, v, *lengths)  # noqa: E731
+        out, pullback = jax.vjp(f, q, k, v)
+        return out, pullback(jnp.ones_like(out))
+
+    return step
+
+
+LOWERING_CASES = {  # dtype, Sq, Skv, H, Hkv, D, Dv
+    "bf16-split": ("bfloat16", 4, 2100, 8, 2, 128, 128),
+    "f16-one-pass-d64": ("float16", 300, 700, 4, 4, 64, 64),
+    "bf16-d256": ("bfloat16", 37, 100, 4, 1, 256, 128),
+    "f32": ("float32", 4, 100, 2, 1, 64, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(LOWERING_CASES))
+@pytest.mark.parametrize("batch", ["static", "symbolic"])
+def test_padded_lowering_carries_the_plans_workspaces(cuda_lowering, case, batch):
+    dtype, Sq, Skv, H, Hkv, D, Dv = LOWERING_CASES[case]
+    B = 3 if batch == "static" else jax.export.symbolic_shape("b")[0]
+    shapes = ((B, Sq, H, D), (B, Skv, Hkv, D), (B, Skv, Hkv, Dv))
+    specs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    specs.append(jax.ShapeDtypeStruct((B,), jnp.int32))
+    text = _export_for_cuda(_train_step(jax_varlen.attention), *specs)
+    p = plan(dtype, Sq=Sq, Skv=Skv, H=H, Hkv=Hkv, D=D, Dv=Dv)
+    lead = "3" if batch == "static" else "?"
+    fwd = _custom_call_results(text, _ffi.CUDA_TARGET)
+    bwd = _custom_call_results(text, _ffi.BWD_CUDA_TARGET)
+    assert len(fwd) == 3 and len(bwd) == 5  # out, lse, workspace; grads, delta, workspace
+    assert fwd[-1] == f"tensor<{lead}x{p['split_workspace_per_pack']}xf32>"
+    assert bwd[-1] == f"tensor<{lead}x{p['dq_workspace_per_pack']}xf32>"
+    assert "split_keys" not in text  # the handler takes it from its own plan
+
+
+@pytest.mark.parametrize("hints", [False, True], ids=["bounds", "hints"])
+def test_packed_lowering_carries_the_plans_workspaces(cuda_lowering, hints):
+    """packed_attention [T, H, D] with 5 sequences: one pack, the hints' grids."""
+    Tq, Tk, H, Hkv, D = 200, 3000, 4, 2, 64
+    shapes = ((Tq, H, D), (Tk, Hkv, D), (Tk, Hkv, D))
+    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    specs += [jax.ShapeDtypeStruct((6,), jnp.int32)] * 2
+    kw = dict(max_seqlen_q=4, max_seqlen_k=1500) if hints else {}
+    text = _export_for_cuda(_train_step(functools.partial(jax_varlen.packed_attention, **kw)),
+                            *specs)
+    p = plan(Sq=Tq, Skv=Tk, H=H, Hkv=Hkv, D=D, pack_seqs=5,
+             seqlen_q=kw.get("max_seqlen_q", Tq), seqlen_k=kw.get("max_seqlen_k", Tk))
+    assert (p["split_keys"] > 0) == hints
+    fwd = _custom_call_results(text, _ffi.PACKED_CUDA_TARGET)
+    bwd = _custom_call_results(text, _ffi.PACKED_BWD_CUDA_TARGET)
+    assert fwd[-1] == f"tensor<1x{p['split_workspace_per_pack']}xf32>"
+    assert bwd[-1] == f"tensor<1x{p['dq_workspace_per_pack']}xf32>"
+
+
+def test_lowering_refuses_what_the_plan_refuses(cuda_lowering):
+    q = jax.ShapeDtypeStruct((2, 8, 2, 300), jnp.bfloat16)
+    n = jax.ShapeDtypeStruct((2,), jnp.int32)
+    with pytest.raises(ValueError, match=r"head sizes up to 256; got query/key head size 300"):
+        _export_for_cuda(jax_varlen.attention, q, q, q, n)
