@@ -1,6 +1,6 @@
-# CUDA part of the extension: the FFI handler, the dispatch table, and one generated .cu file
-# per kernel instantiation, so instantiations compile in parallel and a change to one bucket
-# rebuilds one file.
+# CUDA part of the extension: the FFI handler, the dispatch table, and generated .cu files that
+# instantiate the kernels: one per entry point (all its dtypes and head-dim buckets) on a machine
+# with few cores, one per instantiation on one with many (JAX_VARLEN_CUDA_UNITS below).
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
 
@@ -18,12 +18,33 @@ string(REGEX MATCHALL "[0-9]+" head_dim_buckets "${buckets_line}")
 
 set(instantiation_dir "${CMAKE_CURRENT_BINARY_DIR}/instantiations")
 
+# Translation units. Each .cu file pays its header's parse once: measured on the 2-core machine
+# (nvcc 13.0, 2026-12-05), an sm90 file that instantiates nothing costs 32 s of CPU (cudafe++
+# 18 s, cicc 10 s), and each Hopper instantiation about 13 s more. One file per instantiation
+# spends 530 s of CPU on the ten Hopper ones, one file per entry point 173 s (the sm80 kernels:
+# 118 s -> about 90 s), which is what a 2-core machine needs; with many cores, one file per
+# instantiation finishes sooner (the longest file is 55 s instead of 100 s).
+cmake_host_system_information(RESULT host_cores QUERY NUMBER_OF_LOGICAL_CORES)
+if(host_cores LESS 8)
+  set(default_units "entry-point")
+else()
+  set(default_units "instantiation")
+endif()
+set(JAX_VARLEN_CUDA_UNITS "${default_units}" CACHE STRING
+    "One generated .cu file per entry-point or per instantiation (default: by core count)")
+set_property(CACHE JAX_VARLEN_CUDA_UNITS PROPERTY STRINGS entry-point instantiation)
+if(NOT JAX_VARLEN_CUDA_UNITS MATCHES "^(entry-point|instantiation)$")
+  message(FATAL_ERROR "JAX_VARLEN_CUDA_UNITS must be entry-point or instantiation, "
+                      "got '${JAX_VARLEN_CUDA_UNITS}'")
+endif()
+
 # jax_varlen_instantiate(<list> <header> <function> ELEMS <ctype:tag>... [DIMS <bucket>...]
 #                        [PARAMS <struct>])
-# writes one .cu file per dtype (and head-dim bucket, when DIMS is given) that instantiates the
-# entry point <function><ctype[, bucket]>(const <struct>&, cudaStream_t) defined in <header>
-# (struct: AttentionParams unless given, BackwardParams for the backward), and appends the files
-# to <list>.
+# instantiates the entry point <function><ctype[, bucket]>(const <struct>&, cudaStream_t)
+# defined in <header> (struct: AttentionParams unless given, BackwardParams for the backward)
+# for every dtype (and head-dim bucket, when DIMS is given), in generated .cu files appended to
+# <list>: one file for them all (<name>.cu) or one each (<name>_<tag>[_d<bucket>].cu), as
+# JAX_VARLEN_CUDA_UNITS says.
 function(jax_varlen_instantiate out_var header function)
   cmake_parse_arguments(PARSE_ARGV 3 arg "" "PARAMS" "ELEMS;DIMS")
   if(NOT arg_PARAMS)
@@ -31,6 +52,7 @@ function(jax_varlen_instantiate out_var header function)
   endif()
   string(REGEX REPLACE ".*::" "" name "${function}")
   set(files ${${out_var}})
+  set(lines "")
   foreach(elem IN LISTS arg_ELEMS)
     string(REPLACE ":" ";" pair "${elem}")
     list(GET pair 0 ctype)
@@ -47,12 +69,21 @@ function(jax_varlen_instantiate out_var header function)
       string(REPLACE "|" ";" variant "${variant}")
       list(GET variant 0 targs)
       list(GET variant 1 suffix)
-      set(file "${instantiation_dir}/${name}_${suffix}.cu")
-      file(CONFIGURE OUTPUT "${file}" CONTENT
-        "#include \"${header}\"\ntemplate cudaError_t ${function}<${targs}>(const jax_varlen::${arg_PARAMS}&, cudaStream_t);\n")
-      list(APPEND files "${file}")
+      set(line "template cudaError_t ${function}<${targs}>(const jax_varlen::${arg_PARAMS}&, cudaStream_t);\n")
+      if(JAX_VARLEN_CUDA_UNITS STREQUAL "instantiation")
+        set(file "${instantiation_dir}/${name}_${suffix}.cu")
+        file(CONFIGURE OUTPUT "${file}" CONTENT "#include \"${header}\"\n${line}")
+        list(APPEND files "${file}")
+      else()
+        string(APPEND lines "${line}")
+      endif()
     endforeach()
   endforeach()
+  if(JAX_VARLEN_CUDA_UNITS STREQUAL "entry-point")
+    set(file "${instantiation_dir}/${name}.cu")
+    file(CONFIGURE OUTPUT "${file}" CONTENT "#include \"${header}\"\n${lines}")
+    list(APPEND files "${file}")
+  endif()
   set(${out_var} ${files} PARENT_SCOPE)
 endfunction()
 
@@ -111,4 +142,5 @@ target_compile_options(_jax_varlen PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -O3>)
 target_link_libraries(_jax_varlen PRIVATE CUDA::cudart_static)
 set_target_properties(_jax_varlen PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
-message(STATUS "jax_varlen: building CUDA kernels for ${CMAKE_CUDA_ARCHITECTURES}")
+message(STATUS "jax_varlen: building CUDA kernels for ${CMAKE_CUDA_ARCHITECTURES}, one .cu file "
+               "per ${JAX_VARLEN_CUDA_UNITS} (${host_cores} cores)")

@@ -7,12 +7,13 @@ oracle of the packed layout).
 
 Multiple devices (docs/multi_device.md): :func:`merge_attention` and
 :func:`sequence_parallel_attention` (KV cache split along its sequence axis);
+:func:`export` (``jax.export.export`` with our FFI targets' checks disabled),
 :func:`export_disabled_checks` and :func:`register_ffi_targets` for ``jax.export``.
 """
 
 from jax_varlen import _ffi
 from jax_varlen._api import attention
-from jax_varlen._export import export_disabled_checks, register_ffi_targets
+from jax_varlen._export import export, export_disabled_checks, register_ffi_targets
 from jax_varlen._merge import merge_attention
 from jax_varlen._packed_api import packed_attention
 from jax_varlen._seqpar import sequence_parallel_attention
@@ -35,6 +36,7 @@ __all__ = [
     "packed_reference",
     "merge_attention",
     "sequence_parallel_attention",
+    "export",
     "export_disabled_checks",
     "register_ffi_targets",
     "__version__",

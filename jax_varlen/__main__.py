@@ -13,6 +13,15 @@ relative to the oracle's max magnitude, per gradient), with exactly zero gradien
 the padded keys and values; it is timed against the gradients of the same padded
 ``jax.nn.dot_product_attention`` calls.
 
+``--causal`` runs a right-padded causal prefill, so that every implementation computes the
+same thing: Sq == Skv (give one of ``--seqlen-q``/``--seqlen-k``, or both equal), sequence b
+has ``lens[b]`` real queries and keys at the start of its rows, and query i sees key j iff
+``j <= i``. Ours gets ``nonpad_q_seqlen=lens`` (its causal mask is tail-aligned on the real
+counts, which is this one when they are equal), jax.nn gets ``query_seq_lengths=lens`` and
+``key_value_seq_lengths=lens``. Only the real query rows are compared (padded rows are
+zero for ours and arbitrary for jax.nn), and ``d_out`` is zero on the padded rows, so the
+gradients compare too.
+
 Exit status: 0 when all three checks (jit, vmap, grad) pass, 1 when one fails, 2 when the
 package cannot run here (the compiled extension is missing, or it was built without CUDA and
 the device is a GPU).
@@ -21,7 +30,6 @@ the device is a GPU).
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.metadata
 import os
 import pathlib
@@ -55,8 +63,10 @@ def parse_args(argv=None):
         "padded jax.nn.dot_product_attention.",
     )
     p.add_argument("--batch", type=int, default=8, help="B (default 8)")
-    p.add_argument("--seqlen-q", type=int, default=512, help="Sq (default 512)")
-    p.add_argument("--seqlen-k", type=int, default=512, help="Skv, padded (default 512)")
+    p.add_argument("--seqlen-q", type=int, default=None,
+                   help="Sq (default 512; with --causal, Skv's)")
+    p.add_argument("--seqlen-k", type=int, default=None,
+                   help="Skv, padded (default 512; with --causal, Sq's)")
     p.add_argument("--heads", type=int, default=8, help="H, query heads (default 8)")
     p.add_argument("--kv-heads", type=int, default=None,
                    help="Hkv, must divide H (default: H, i.e. MHA)")
@@ -64,13 +74,24 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=_DTYPES, default=None,
                    help="default: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--causal", action="store_true",
-                   help="tail-aligned causal mask (jax.nn's is top-left aligned: its timing "
-                   "is comparable, its output is not)")
+                   help="a right-padded causal prefill: Sq == Skv, each sequence's real "
+                   "queries and keys both number lens[b]; ours gets nonpad_q_seqlen=lens, "
+                   "jax.nn query_seq_lengths=key_value_seq_lengths=lens (the same mask), and "
+                   "real query rows are compared")
     p.add_argument("--valid-fraction", type=float, default=0.25,
-                   help="share of the B * Skv keys that are real (default 0.25)")
+                   help="share of the B * Skv keys that are real, and with --causal of the "
+                   "queries too (default 0.25)")
     p.add_argument("--iters", type=int, default=10,
                    help="timed runs per implementation, after 2 warm-up runs (default 10)")
     args = p.parse_args(argv)
+    if args.causal:
+        if None not in (args.seqlen_q, args.seqlen_k) and args.seqlen_q != args.seqlen_k:
+            p.error(f"--causal runs a right-padded causal prefill, which needs --seqlen-q equal "
+                    f"to --seqlen-k; got {args.seqlen_q} and {args.seqlen_k} (give one of them)")
+        args.seqlen_q = args.seqlen_k = args.seqlen_q or args.seqlen_k or 512
+    else:
+        args.seqlen_q = 512 if args.seqlen_q is None else args.seqlen_q
+        args.seqlen_k = 512 if args.seqlen_k is None else args.seqlen_k
     if args.kv_heads is None:
         args.kv_heads = args.heads
     for name in ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim", "iters"):
@@ -183,14 +204,22 @@ def make_batch(key, args, dtype):
 # ---------------------------------------------------------------------------------------------
 # Checks and timing
 
-def max_error(out, ref, dtype_name):
-    """Max |out - ref| in float32 and whether every element is within tolerance."""
+def real_rows(lengths, seqlen_q):
+    """[..., B, Sq] bool: query row i of sequence b is real (i < lengths[..., b])."""
+    return np.arange(seqlen_q) < np.asarray(lengths)[..., None]
+
+
+def max_error(out, ref, dtype_name, rows=None):
+    """Max |out - ref| in float32 and whether every element is within tolerance; over the
+    query rows where ``rows`` ([..., B, Sq] bool, out's leading axes) is True, if given."""
     out = np.asarray(out, np.float32)
     ref = np.asarray(ref, np.float32)
+    if rows is not None:
+        out, ref = out[rows], ref[rows]
     err = np.abs(out - ref)
     atol, rtol = _TOLERANCE[dtype_name]
     ok = bool(np.all(err <= atol + rtol * np.abs(ref)))  # NaN compares False: fails
-    return float(np.max(err)), ok  # NaN anywhere shows as nan
+    return float(np.max(err, initial=0.0)), ok  # NaN anywhere shows as nan
 
 
 def grad_errors(grads, oracle, lengths, dtype_name):
@@ -277,10 +306,12 @@ def print_header(device, args, dtype_name, lengths):
     print(
         f"shape: B={args.batch} Sq={args.seqlen_q} Skv={args.seqlen_k} H={args.heads} "
         f"Hkv={args.kv_heads} D={args.head_dim} {dtype_name} "
-        f"{'causal (tail-aligned)' if args.causal else 'non-causal'}"
+        f"{'causal prefill (right-padded)' if args.causal else 'non-causal'}"
     )
     valid = lengths.sum() / (args.batch * args.seqlen_k)
-    print(f"nonpad_kv_seqlen: {lengths.tolist()} ({100 * valid:.1f}% of keys valid, seed {_SEED})")
+    name = "nonpad_q_seqlen = nonpad_kv_seqlen" if args.causal else "nonpad_kv_seqlen"
+    what = "queries and keys" if args.causal else "keys"
+    print(f"{name}: {lengths.tolist()} ({100 * valid:.1f}% of {what} valid, seed {_SEED})")
 
 
 def print_table(rows):
@@ -323,51 +354,68 @@ def main(argv=None) -> int:
     )
     print_header(device, args, dtype_name, lengths)
 
-    ours = jax.jit(functools.partial(jax_varlen.attention, is_causal=args.causal))
-    ours_vmap = jax.jit(jax.vmap(functools.partial(jax_varlen.attention, is_causal=args.causal)))
-    reference = functools.partial(jax_varlen.reference, is_causal=args.causal)
+    # (q, k, v, lens) -> out. --causal: a right-padded causal prefill, lens real queries and
+    # keys per sequence; otherwise every query row is real.
+    def varlen(fn):
+        def attn(q, k, v, lens):
+            return fn(q, k, v, lens, is_causal=args.causal,
+                      nonpad_q_seqlen=lens if args.causal else None)
+        return attn
+
+    ours = jax.jit(varlen(jax_varlen.attention))
+    ours_vmap = jax.jit(jax.vmap(varlen(jax_varlen.attention)))
+    reference = varlen(jax_varlen.reference)
+    # The query rows compared: [B, Sq], and [_VMAP_SIZE, B, Sq] for the stacked batches.
+    rows = real_rows(lengths, args.seqlen_q) if args.causal else None
+    stacked_rows = real_rows(stacked_lengths, args.seqlen_q) if args.causal else None
 
     ref = reference(q, k, v, lens)
-    err_jit, ok_jit = max_error(ours(q, k, v, lens), ref, dtype_name)
+    err_jit, ok_jit = max_error(ours(q, k, v, lens), ref, dtype_name, rows)
     ref_stacked = [reference(*(x[i] for x in stacked)) for i in range(_VMAP_SIZE)]
-    err_vmap, ok_vmap = max_error(ours_vmap(*stacked), jnp.stack(ref_stacked), dtype_name)
+    err_vmap, ok_vmap = max_error(ours_vmap(*stacked), jnp.stack(ref_stacked), dtype_name,
+                                  stacked_rows)
 
-    def padded(implementation):
-        return jax.jit(functools.partial(
-            jax.nn.dot_product_attention, is_causal=args.causal, implementation=implementation))
+    def padded_attn(implementation):
+        """(q, k, v, lens) -> out: jax.nn's padded attention, the same mask as ours."""
+        def attn(q, k, v, lens):
+            return jax.nn.dot_product_attention(
+                q, k, v, key_value_seq_lengths=lens, is_causal=args.causal,
+                query_seq_lengths=lens if args.causal else None, implementation=implementation)
+        return attn
 
     def verdict(err, ok):
         return f"{err:.2e} {'ok' if ok else 'FAIL'}"
 
     t_ours = median_ms(ours, q, k, v, lens, iters=args.iters)
     t_vmap = median_ms(ours_vmap, *stacked, iters=args.iters)
-    rows = [
+    table = [
         ("jax_varlen (jit)", t_ours, "1.00x", verdict(err_jit, ok_jit)),
         (f"jax_varlen (vmap over {_VMAP_SIZE} batches)", t_vmap, "-", verdict(err_vmap, ok_vmap)),
     ]
     peers = ["xla"] + (["cudnn"] if device.platform == "gpu" else [])
     for impl in peers:
         name = f"jax.nn {impl} (padded)"
-        fn = padded(impl)
+        fn = jax.jit(padded_attn(impl))
         try:
-            out = fn(q, k, v, key_value_seq_lengths=lens)
-            t = median_ms(lambda *a: fn(*a, key_value_seq_lengths=lens), q, k, v, iters=args.iters)
+            out = fn(q, k, v, lens)
+            t = median_ms(fn, q, k, v, lens, iters=args.iters)
         except Exception as e:  # cuDNN refuses some dtypes, shapes and devices
-            rows.append((name, None, "-", f"failed: {_first_line(e)}"))
+            table.append((name, None, "-", f"failed: {_first_line(e)}"))
             continue
-        if args.causal:
-            err = "n/a (top-left causal)"
-        else:
-            err = f"{max_error(out, ref, dtype_name)[0]:.2e} (info)"
-        rows.append((name, t, f"{t / t_ours:.2f}x", err))
+        err = f"{max_error(out, ref, dtype_name, rows)[0]:.2e} (info)"
+        table.append((name, t, f"{t / t_ours:.2f}x", err))
 
     # Training step. The oracle differentiates the reference on the inputs upcast (exactly) to
-    # float32, at "highest" precision so that a GPU's TF32 matmuls do not blur it.
+    # float32, at "highest" precision so that a GPU's TF32 matmuls do not blur it. With
+    # --causal, d_out is zero on the padded query rows, whose outputs differ between
+    # implementations (jax.nn's are not zero) and are not part of the loss.
     d_out = jax.random.normal(jax.random.fold_in(keys[0], 1), ref.shape, ref.dtype)
+    if args.causal:
+        d_out = jnp.where(rows[:, :, None, None], d_out, jnp.zeros((), d_out.dtype))
     f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
     with jax.default_matmul_precision("highest"):
         oracle = loss_grad(reference)(*f32[:3], lens, f32[3])
-    ours_grad = loss_grad(functools.partial(jax_varlen.attention, is_causal=args.causal))
+    ours_grad = loss_grad(varlen(jax_varlen.attention))
     grad_errs, ok_grad_err, zero_padding = grad_errors(
         ours_grad(q, k, v, lens, d_out), oracle, lengths, dtype_name)
     ok_grad = ok_grad_err and zero_padding
@@ -379,34 +427,27 @@ def main(argv=None) -> int:
     grad_verdict = f"{grad_text(grad_errs)} (rel) {'ok' if ok_grad else 'FAIL'}"
     if not zero_padding:
         grad_verdict += " (padded keys' dk/dv not zero)"
-    rows.append(("jax_varlen grad (jit)", t_grad, "1.00x", grad_verdict))
+    table.append(("jax_varlen grad (jit)", t_grad, "1.00x", grad_verdict))
     for impl in peers:
         name = f"jax.nn {impl} grad (padded)"
-
-        def padded_attn(q, k, v, lens, impl=impl):  # binds this impl, whenever jit traces
-            return jax.nn.dot_product_attention(
-                q, k, v, key_value_seq_lengths=lens, is_causal=args.causal, implementation=impl)
-
-        fn = loss_grad(padded_attn)
+        fn = loss_grad(padded_attn(impl))
         try:
             grads = fn(q, k, v, lens, d_out)
             t = median_ms(fn, q, k, v, lens, d_out, iters=args.iters)
         except Exception as e:  # cuDNN's backward refuses more than its forward
-            rows.append((name, None, "-", f"failed: {_first_line(e)}"))
+            table.append((name, None, "-", f"failed: {_first_line(e)}"))
             continue
-        if args.causal:
-            err = "n/a (top-left causal)"
-        else:
-            err = f"{grad_text(grad_errors(grads, oracle, lengths, dtype_name)[0])} (rel, info)"
-        rows.append((name, t, f"{t / t_grad:.2f}x", err))
+        err = f"{grad_text(grad_errors(grads, oracle, lengths, dtype_name)[0])} (rel, info)"
+        table.append((name, t, f"{t / t_grad:.2f}x", err))
     print()
-    print_table(rows)
+    print_table(table)
 
     atol, rtol = _TOLERANCE[dtype_name]
     passed = ok_jit and ok_vmap and ok_grad
     print(
         f"\n{'PASS' if passed else 'FAIL'}: jit and vmap against jax_varlen.reference "
-        f"(|err| <= {atol:g} + {rtol:g} * |ref|); grad of sum(out * d_out) w.r.t. q, k, v\n"
+        f"(|err| <= {atol:g} + {rtol:g} * |ref|{' on real query rows' if args.causal else ''}); "
+        f"grad of sum(out * d_out) w.r.t. q, k, v\n"
         f"against the reference's in float32 (max |err| <= {_GRAD_RTOL[dtype_name]:g} * "
         f"max |oracle| each, exactly 0 on padded keys); times are medians of {args.iters} runs"
     )

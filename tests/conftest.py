@@ -48,6 +48,15 @@ def _gpu_available() -> tuple[bool, str]:
     return True, ""
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``pytest -n auto`` (the Quick start): a worker per core, but one where an NVIDIA GPU
+    exists, since each worker's jax would claim most of its memory and the next workers would
+    find no GPU to run on."""
+    import os
+
+    return 1 if os.path.exists("/dev/nvidiactl") else None  # None: xdist's own core count
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:

@@ -1,5 +1,6 @@
 """jax.export of code that uses the op, on every backend: disabled checks, serialize ->
-deserialize -> call, in this process and in a fresh one, with a symbolic batch.
+deserialize -> call, in this process and in a fresh one, with a symbolic batch; the one-step
+``jax_varlen.export``.
 
 Each test exports for its backend's platform (conftest.EXPORT_PLATFORM). Single device here;
 sharded export runs in multi_device_cases.py.
@@ -46,10 +47,51 @@ def _export(fn, backend, *args):
 
 
 def test_export_without_disabled_checks_names_the_target(backend):
-    """Why the helper exists: our targets are not on jax.export's stable list."""
+    """Why jax_varlen.export exists: our targets are not on jax.export's stable list."""
     target = {"cpu": _ffi.CPU_TARGET, "gpu": _ffi.CUDA_TARGET}[backend]
     with pytest.raises(ValueError, match=target):
         jax.export.export(jax.jit(_fn), platforms=(EXPORT_PLATFORM[backend],))(*_inputs())
+
+
+@needs_flatbuffers
+@pytest.mark.parametrize("jitted", [False, True], ids=["plain-fn", "jitted-fn"])
+def test_one_step_export_round_trip(backend, jitted):
+    """jax_varlen.export takes a plain or a jitted function and no disabled_checks."""
+    args = _inputs()
+    fn = jax.jit(_fn) if jitted else _fn
+    exported = jax_varlen.export(fn, platforms=(EXPORT_PLATFORM[backend],))(*args)
+    out, lse = jax.export.deserialize(exported.serialize()).call(*args)
+    ref_out, ref_lse = jax.jit(_fn)(*args)
+    assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
+
+
+@needs_flatbuffers
+def test_one_step_export_merges_user_checks(backend):
+    """The caller's disabled checks join ours (once each, ours first), and the export with the
+    merged list round-trips; static arguments go through the caller's own jax.jit."""
+    args = _inputs()
+    fn = jax.jit(jax_varlen.attention, static_argnames=("is_causal",))
+    ours = jax_varlen.export_disabled_checks()
+    other = jax.export.DisabledSafetyCheck.custom_call("some_other_library_target")
+    exported = jax_varlen.export(
+        fn, platforms=(EXPORT_PLATFORM[backend],),
+        disabled_checks=[other, ours[0], jax.export.DisabledSafetyCheck.platform()],
+    )(*args, is_causal=True)
+    assert list(exported.disabled_safety_checks) == [
+        *ours, other, jax.export.DisabledSafetyCheck.platform()]
+    out = jax.export.deserialize(exported.serialize()).call(*args)
+    assert bits(out) == bits(fn(*args, is_causal=True))
+
+
+def test_one_step_export_symbolic_batch(backend):
+    """Specs with a symbolic batch go through unchanged (one export for every batch size)."""
+    q, k, v, n = _inputs()
+    (b,) = jax.export.symbolic_shape("b")
+    specs = [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in (q, k, v, n)]
+    exported = jax_varlen.export(_fn, platforms=(EXPORT_PLATFORM[backend],))(*specs)
+    out, lse = exported.call(q[:2], k[:2], v[:2], n[:2])
+    ref_out, ref_lse = jax.jit(_fn)(q[:2], k[:2], v[:2], n[:2])
+    assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
 
 
 @needs_flatbuffers
