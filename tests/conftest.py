@@ -48,6 +48,7 @@ def _gpu_available() -> tuple[bool, str]:
     return True, ""
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist, never called
 def pytest_xdist_auto_num_workers(config):
     """``pytest -n auto`` (the Quick start): a worker per core, but one where an NVIDIA GPU
     exists, since each worker's jax would claim most of its memory and the next workers would
