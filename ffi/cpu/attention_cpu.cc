@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "cpu/gemm.h"
+#include "cpu/load.h"
 #include "cpu/numeric.h"
 #include "seqlen.h"
 
@@ -14,96 +17,92 @@ namespace jax_varlen::cpu::JV_CPU_ISA {
 namespace {
 
 constexpr int64_t kRowsPerItem = 64;  // query rows of one work item
-constexpr int64_t kRows = 4;          // query rows that share each loaded key and value
 constexpr int64_t kKeys = 64;         // keys per online-softmax step
+static_assert(kRowsPerItem % kLanes == 0, "the per-row arrays hold rows_ld <= kRowsPerItem");
 
 // Scratch of one thread, reused across items (sized up, never down).
 struct Scratch {
-  std::vector<float> key_t;  // [head_dim, keys_stride]: keys transposed, so score loops run over j
-  std::vector<float> value;  // [keys, head_dim_v]
-  std::vector<float> query;  // [kRows, head_dim]
-  std::vector<float> score;  // [kRows, kKeys]
-  std::vector<float> acc;    // [kRows, head_dim_v]
+  std::vector<float> key;      // [keys, D]: the item's keys, unless read in place (rows_as_float)
+  std::vector<float> value;    // [keys, Dvp]: its values, columns padded to kLanes, or in place
+  std::vector<float> query_t;  // [D, rows_ld]: one head's query rows transposed (columns = rows)
+  std::vector<float> score_t;  // [kKeys, rows_ld]: one step's scores, then probabilities
+  std::vector<float> acc;      // [rows, Dvp]: unnormalized outputs
 };
 
-// Online softmax state of kRows query rows of one head.
-template <typename T>
-void attend_rows(const AttentionParams& p, Scratch& w, const T* q_rows, int64_t q_row_stride,
-                 const int64_t* limit, int64_t keys_stride, T* out_rows,
-                 int64_t out_row_stride, float* lse_rows) {
-  const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  float* __restrict query = w.query.data();
-  float* __restrict score = w.score.data();
-  float* __restrict acc = w.acc.data();
-  const float* __restrict key_t = w.key_t.data();
-  const float* __restrict value = w.value.data();
-  float m[kRows], l[kRows];
-  int64_t max_limit = 0;
-  for (int64_t r = 0; r < kRows; ++r) {
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.0f;
-    max_limit = std::max(max_limit, limit[r]);
-    for (int64_t d = 0; d < D; ++d)
-      query[r * D + d] = limit[r] > 0 ? to_float(q_rows[r * q_row_stride + d]) : 0.0f;
-    std::fill(acc + r * Dv, acc + (r + 1) * Dv, 0.0f);
-  }
-
-  for (int64_t j0 = 0; j0 < max_limit; j0 += kKeys) {
-    const int64_t jn = std::min(kKeys, max_limit - j0);
-    // score[r, j] = <q_r, k_{j0+j}>, summed over d in order (fixed rounding, vectorized over j).
-    std::fill(score, score + kRows * kKeys, 0.0f);
-    for (int64_t d = 0; d < D; ++d) {
-      const float* __restrict kd = key_t + d * keys_stride + j0;
-      for (int64_t r = 0; r < kRows; ++r) {
-        const float qd = query[r * D + d];
-        float* __restrict s = score + r * kKeys;
-        for (int64_t j = 0; j < jn; ++j) s[j] += qd * kd[j];
-      }
+// One online-softmax step over the keys j0 + j, j < step, of query rows r < rows_ld (columns of
+// s, row stride ld, a multiple of 8): on entry s[j * ld + r] = <k_j, q_r>; on exit it holds
+// row r's weight of key j0 + j, exp(x - m_r) with x the scaled (and capped) score and m_r the
+// running max, or exactly 0 where the key is not allowed (j0 + j >= limit[r]). m, l and
+// alpha are per row: running max and sum, rescaled here, and alpha the factor the row's
+// accumulator must take (1 for a row that sees no key in the step: it is left as it was).
+void softmax_step(const AttentionParams& p, int64_t rows_ld, int64_t step, int64_t j0,
+                  const int32_t* limit, float* s, int64_t ld, float* m, float* l,
+                  float* alpha) {
+  const float scale = p.scale, cap = p.softcap;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+#if defined(JV_VECTOR_EXP)
+  // Eight rows per vector; keys that are not allowed become -inf (max) and exactly 0 (weights,
+  // sum) by selects, never by arithmetic on what the products gave.
+  for (int64_t r = 0; r < rows_ld; r += 8) {
+    i32x8 lim;
+    std::memcpy(&lim, limit + r, sizeof lim);
+    f32x8 vmax = splat8(minus_inf);
+    for (int64_t j = 0; j < step; ++j) {
+      f32x8 x = load8(s + j * ld + r) * splat8(scale);
+      if (cap > 0.0f) x = splat8(cap) * tanh8(x / splat8(cap));
+      x = int32_t(j0 + j) < lim ? x : splat8(minus_inf);
+      store8(s + j * ld + r, x);
+      vmax = vmax < x ? x : vmax;
     }
-    for (int64_t r = 0; r < kRows; ++r) {
-      const int64_t count = std::min(jn, limit[r] - j0);  // allowed keys of row r in this step
-      if (count <= 0) continue;
-      float* __restrict s = score + r * kKeys;
-      float step_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < count; ++j) {
-        float x = s[j] * p.scale;
-        if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
-        s[j] = x;
-        step_max = std::max(step_max, x);
-      }
-      const float m_new = std::max(m[r], step_max);
-      const float alpha = exp_nonpositive(m[r] - m_new);  // 0 on the first step (m = -inf)
-      float sum = 0.0f;
-      for (int64_t j = 0; j < count; ++j) {
-        s[j] = exp_nonpositive(s[j] - m_new);
-        sum += s[j];
-      }
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
-      float* __restrict a = acc + r * Dv;
-      for (int64_t e = 0; e < Dv; ++e) a[e] *= alpha;
-      for (int64_t j = 0; j < count; ++j) {
-        const float pj = s[j];
-        const float* __restrict vj = value + (j0 + j) * Dv;
-        for (int64_t e = 0; e < Dv; ++e) a[e] += pj * vj[e];
-      }
+    const i32x8 any = int32_t(j0) < lim;
+    const f32x8 m_old = load8(m + r);
+    const f32x8 m_new = any ? (m_old < vmax ? vmax : m_old) : m_old;
+    f32x8 sum = splat8(0.0f);
+    for (int64_t j = 0; j < step; ++j) {
+      const f32x8 e = exp_nonpositive8(load8(s + j * ld + r) - m_new);
+      const f32x8 w = int32_t(j0 + j) < lim ? e : splat8(0.0f);
+      store8(s + j * ld + r, w);
+      sum += w;
     }
+    const f32x8 a = any ? exp_nonpositive8(m_old - m_new) : splat8(1.0f);  // 0 on a first step
+    store8(l + r, load8(l + r) * a + sum);
+    store8(m + r, m_new);
+    store8(alpha + r, a);
   }
-
-  for (int64_t r = 0; r < kRows; ++r) {
-    if (limit[r] < 0) continue;  // past the last query row
-    // A row is empty by its count of allowed keys, never by the value of l: a NaN or Inf in
-    // a row's query or allowed keys makes l NaN, and that NaN must reach out and lse.
-    const bool any = limit[r] > 0;
-    const float inv_l = any ? 1.0f / l[r] : 0.0f;
-    for (int64_t e = 0; e < Dv; ++e)
-      out_rows[r * out_row_stride + e] = from_float<T>(any ? acc[r * Dv + e] * inv_l : 0.0f);
-    lse_rows[r] = any ? m[r] + std::log(l[r]) : -std::numeric_limits<float>::infinity();
+#else
+  for (int64_t r = 0; r < rows_ld; ++r) {
+    alpha[r] = 1.0f;
+    const int64_t count = std::clamp<int64_t>(limit[r] - j0, 0, step);
+    if (count == 0) continue;
+    float step_max = minus_inf;
+    for (int64_t j = 0; j < count; ++j) {
+      float x = s[j * ld + r] * scale;
+      if (cap > 0.0f) x = cap * std::tanh(x / cap);
+      s[j * ld + r] = x;
+      step_max = std::max(step_max, x);
+    }
+    const float m_new = std::max(m[r], step_max);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < step; ++j) {
+      const float w = j < count ? exp_nonpositive(s[j * ld + r] - m_new) : 0.0f;
+      s[j * ld + r] = w;
+      sum += w;
+    }
+    alpha[r] = exp_nonpositive(m[r] - m_new);  // 0 on the first step (m = -inf)
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = m_new;
   }
+#endif
 }
 
 // Item = (sequence b, kv head g, block of kRowsPerItem query rows), sequence-major. Blocks past
 // the sequence's query rows (a packed batch's grid covers the longest one) do nothing.
+// Per query head of the group and step of kKeys keys, with the keys as the rows of the score
+// product (the operand read in place for float input; the transposed one is the query block,
+// loaded once per head and reused by every step):
+//   score_t [step, rows_ld]  = key [step, D] x query_t [D, rows_ld]
+//   score_t -> weights (softmax_step); acc rows times alpha
+//   acc [rows, Dvp]         += weights^T [rows, step] x value [step, Dvp], row r to its limit
 template <typename T>
 void run_item(const AttentionParams& p, int64_t item) {
   const int64_t Hkv = p.kv_num_heads, D = p.head_dim, Dv = p.head_dim_v;
@@ -114,35 +113,73 @@ void run_item(const AttentionParams& p, int64_t item) {
   const int64_t Sq = seq.seqlen_q, n = seq.seqlen_k;
   const int64_t i0 = block * kRowsPerItem, i1 = std::min(Sq, i0 + kRowsPerItem);
   if (i0 >= i1) return;
+  // Under causal the leading rows may see no key: rows [i0, i0 + first) are written as empty
+  // and left out of the products (limit grows with the row).
+  int64_t first = 0;
+  while (i0 + first < i1 && allowed_keys(i0 + first, n, Sq, p.is_causal) == 0) ++first;
+  const int64_t rows = i1 - i0 - first, rows_ld = round_up(rows, kLanes);
   const int64_t keys = allowed_keys(i1 - 1, n, Sq, p.is_causal);  // the most any row here sees
+  int32_t limit[kRowsPerItem];  // allowed keys of row i0 + first + r; 0 for r >= rows
+  int64_t count[kRowsPerItem];  // ... of them in the current step
+  for (int64_t r = 0; r < rows_ld; ++r)
+    limit[r] = r < rows ? int32_t(allowed_keys(i0 + first + r, n, Sq, p.is_causal)) : 0;
 
   thread_local Scratch w;
-  const int64_t keys_stride = keys;
-  if (int64_t(w.key_t.size()) < D * keys) w.key_t.resize(D * keys);
-  if (int64_t(w.value.size()) < keys * Dv) w.value.resize(keys * Dv);
-  w.query.resize(kRows * D);
-  w.score.resize(kRows * kKeys);
-  w.acc.resize(kRows * Dv);
-
-  // Only the allowed keys of this kv head are read: padding is never touched.
-  const T* k = static_cast<const T*>(p.k) + seq.k_index(p, 0, g);
-  const T* v = static_cast<const T*>(p.v) + seq.v_index(p, 0, g);
-  for (int64_t j = 0; j < keys; ++j) {
-    for (int64_t d = 0; d < D; ++d) w.key_t[d * keys_stride + j] = to_float(k[j * p.k_row_stride + d]);
-    for (int64_t e = 0; e < Dv; ++e) w.value[j * Dv + e] = to_float(v[j * p.v_row_stride + e]);
-  }
+  const int64_t Dvp = round_up(Dv, kLanes);
+  ensure(w.query_t, D * rows_ld);
+  ensure(w.score_t, kKeys * rows_ld);
+  ensure(w.acc, rows * Dvp);
+  // Only the allowed keys of this kv head are read (padding never), once for the group.
+  int64_t key_ld, value_ld;
+  const float* key = rows_as_float(static_cast<const T*>(p.k) + seq.k_index(p, 0, g),
+                                   p.k_row_stride, keys, D, D, w.key, &key_ld);
+  const float* value = rows_as_float(static_cast<const T*>(p.v) + seq.v_index(p, 0, g),
+                                     p.v_row_stride, keys, Dv, Dvp, w.value, &value_ld);
 
   const int64_t group = p.num_heads / Hkv;
+  float* query_t = w.query_t.data();
+  float* score_t = w.score_t.data();
+  float* acc = w.acc.data();
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-    for (int64_t i = i0; i < i1; i += kRows) {
-      int64_t limit[kRows];
-      for (int64_t r = 0; r < kRows; ++r)
-        limit[r] = i + r < i1 ? allowed_keys(i + r, n, Sq, p.is_causal) : -1;
-      const T* q = static_cast<const T*>(p.q) + seq.q_index(p, i, h);
-      T* out = static_cast<T*>(p.out) + seq.out_index(p, i, h);
-      // lse rows i, i + 1, ... of head h are consecutive in both layouts (seqlen.h).
-      attend_rows<T>(p, w, q, p.q_row_stride, limit, keys_stride, out, p.out_row_stride,
-                     p.lse + seq.lse_index(p, h, i));
+    T* out = static_cast<T*>(p.out) + seq.out_index(p, i0, h);
+    float* lse = p.lse + seq.lse_index(p, h, i0);  // rows i0, i0 + 1, ... are consecutive
+    for (int64_t r = 0; r < first; ++r) {
+      std::fill(out + r * p.out_row_stride, out + r * p.out_row_stride + Dv, from_float<T>(0.0f));
+      lse[r] = -std::numeric_limits<float>::infinity();
+    }
+    if (rows == 0) continue;
+    out += first * p.out_row_stride;
+    lse += first;
+
+    float m[kRowsPerItem], l[kRowsPerItem], alpha[kRowsPerItem];
+    std::fill(m, m + rows_ld, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + rows_ld, 0.0f);
+    std::fill(acc, acc + rows * Dvp, 0.0f);
+    load_transposed(static_cast<const T*>(p.q) + seq.q_index(p, i0 + first, h), p.q_row_stride,
+                    rows, D, query_t, rows_ld);
+    for (int64_t j0 = 0; j0 < keys; j0 += kKeys) {
+      const int64_t step = std::min(kKeys, keys - j0);
+      gemm(step, rows_ld, D, key + j0 * key_ld, key_ld, 1, query_t, rows_ld, score_t, rows_ld,
+           false);
+      softmax_step(p, rows_ld, step, j0, limit, score_t, rows_ld, m, l, alpha);
+      for (int64_t r = 0; r < rows; ++r) {
+        count[r] = std::clamp<int64_t>(limit[r] - j0, 0, step);
+        float* __restrict a = acc + r * Dvp;
+        for (int64_t e = 0; e < Dvp; ++e) a[e] *= alpha[r];
+      }
+      gemm(rows, Dvp, step, score_t, 1, rows_ld, value + j0 * value_ld, value_ld, acc, Dvp,
+           true, count);
+    }
+
+    // A row is empty by its count of allowed keys (the rows before `first`), never by the
+    // value of l: every row here sees a key, so l >= 1 (its largest score weighs exp(0)) or l
+    // is NaN (a NaN or Inf in its query or allowed keys), and that NaN must reach out and lse.
+    for (int64_t r = 0; r < rows; ++r) {
+      T* o = out + r * p.out_row_stride;
+      const float* a = acc + r * Dvp;
+      const float inv_l = 1.0f / l[r];
+      for (int64_t e = 0; e < Dv; ++e) o[e] = from_float<T>(a[e] * inv_l);
+      lse[r] = m[r] + std::log(l[r]);
     }
   }
 }

@@ -1,4 +1,5 @@
-// The CPU forward: online softmax over the valid keys only, fp32 accumulation.
+// The CPU forward: online softmax over the valid keys only, fp32 accumulation, its inner
+// products blocked matrix products (gemm.h).
 // Work is cut into independent items (sequence, kv head, block of query rows) so that a
 // handler can spread them over threads; each item writes disjoint outputs, and its result
 // does not depend on which thread runs it or on the batch, so runs are bitwise identical.
@@ -18,7 +19,7 @@ namespace jax_varlen::cpu {
   }
 JV_DECLARE_CPU_LOOPS(baseline)
 #if defined(__x86_64__)
-JV_DECLARE_CPU_LOOPS(avx2)  // AVX2 + FMA: about 1.4x the baseline on this project's CPUs
+JV_DECLARE_CPU_LOOPS(avx2)  // AVX2 + FMA: about 5x the baseline (SSE) here (benchmarks/NOTES.md)
 #endif
 #undef JV_DECLARE_CPU_LOOPS
 

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/gemm.h"
+#include "cpu/load.h"
 #include "cpu/numeric.h"
 #include "seqlen.h"
 
@@ -19,276 +21,126 @@ constexpr int64_t kKeyBlock = 64;   // keys of one d_key/d_value item
 constexpr int64_t kRowStep = 64;    // query rows per step of a d_key/d_value item
 constexpr int64_t kRowBlock = 64;   // query rows of one d_query item
 constexpr int64_t kKeyStep = 64;    // keys per step of a d_query item
-constexpr int64_t kLanes = 16;      // the column tile of gemm(): two 8-float vectors
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+static_assert(kRowBlock % kLanes == 0, "the per-row arrays hold rows_ld <= kRowBlock");
 
 // ---------------------------------------------------------------------------------------------
-// A small float32 matrix product, the one kernel of every product below:
-//   C[m * ldc + n] (+)= sum_{k < K} A[m * am + k * ak] * B[k * ldb + n],  m < M, n < N,
-// with N a multiple of kLanes. A is read one scalar at a time (any strides), B and C by rows.
-// Each C element sums its K products in order k = 0, 1, ... (fixed rounding, no dependence on
-// the tiling), so results are the same on every run.
+// The elementwise step: P_rj and dS_rj (without the outer scale) from s = <q_r, k_j> and
+// dp = <d_out_r, v_j>, in place; exactly 0 where key j is not allowed for row r (by a select,
+// never by a product, whatever the products held). Two layouts of the same math: rows of s
+// are query rows (d_key/d_value items) or keys (d_query items).
 
-#if defined(__GNUC__) || defined(__clang__)
-// Without AVX, GCC warns that passing such vectors changes the ABI; these helpers are always
-// inlined and never cross a translation unit, so there is no ABI to change.
-#pragma GCC diagnostic ignored "-Wpsabi"
-typedef float f32x8 __attribute__((vector_size(32)));
-#define JV_ALWAYS_INLINE inline __attribute__((always_inline))
-JV_ALWAYS_INLINE f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-JV_ALWAYS_INLINE void store8(float* p, const f32x8& v) { std::memcpy(p, &v, sizeof v); }
-JV_ALWAYS_INLINE f32x8 splat8(float a) { return f32x8{a, a, a, a, a, a, a, a}; }
-#define JV_VECTOR_EXP 1
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-// exp_nonpositive (numeric.h) on eight lanes, with the same operations: 0 below -87.3 (and for
-// -inf), NaN for NaN. Written with vector operations because GCC does not vectorize the scalar
-// version's selects.
-JV_ALWAYS_INLINE f32x8 exp_nonpositive8(const f32x8& x) {
-  const f32x8 lo = splat8(-87.3f);
-  const i32x8 under = x < lo;  // false for NaN: NaN stays NaN
-  const f32x8 xc = under ? lo : x;
-  const f32x8 t = xc * splat8(1.44269504088896341f) + splat8(12582912.0f);
-  const f32x8 n = t - splat8(12582912.0f);
-  const f32x8 r = (xc - n * splat8(0.693359375f)) + n * splat8(2.12194440e-4f);
-  f32x8 p = splat8(1.9875691500e-4f);
-  p = p * r + splat8(1.3981999507e-3f);
-  p = p * r + splat8(8.3334519073e-3f);
-  p = p * r + splat8(4.1665795894e-2f);
-  p = p * r + splat8(1.6666665459e-1f);
-  p = p * r + splat8(5.0000001201e-1f);
-  p = p * r * r + r + splat8(1.0f);
-  const u32x8 pow2n = ((u32x8)t - 0x4B400000u + 127u) << 23;
-  const f32x8 result = p * (f32x8)pow2n;
-  return under ? splat8(0.0f) : result;
-}
-
-// tanh on eight lanes (Cephes tanhf, about 2 ulp): an odd polynomial below |x| = 0.625,
-// (1 - e) / (1 + e) with e = exp(-2|x|) above; +-1 for +-inf, NaN for NaN.
-JV_ALWAYS_INLINE f32x8 tanh8(const f32x8& x) {
-  const i32x8 negative = x < splat8(0.0f);
-  const f32x8 a = negative ? -x : x;
-  const f32x8 z = a * a;
-  f32x8 poly = splat8(-5.70498872745e-3f);
-  poly = poly * z + splat8(2.06390887954e-2f);
-  poly = poly * z - splat8(5.37397155531e-2f);
-  poly = poly * z + splat8(1.33314422036e-1f);
-  poly = poly * z - splat8(3.33332819422e-1f);
-  const f32x8 small = poly * z * a + a;
-  const f32x8 e = exp_nonpositive8(splat8(-2.0f) * a);
-  const f32x8 large = (splat8(1.0f) - e) / (splat8(1.0f) + e);
-  const f32x8 t = a < splat8(0.625f) ? small : large;
-  return negative ? -t : t;
-}
-#else  // plain arrays: the same arithmetic, left to the compiler to vectorize
-struct f32x8 {
-  float x[8];
-  f32x8& operator+=(const f32x8& o) {
-    for (int l = 0; l < 8; ++l) x[l] += o.x[l];
-    return *this;
-  }
-  friend f32x8 operator*(const f32x8& a, const f32x8& b) {
-    f32x8 r;
-    for (int l = 0; l < 8; ++l) r.x[l] = a.x[l] * b.x[l];
-    return r;
-  }
-};
-#define JV_ALWAYS_INLINE inline
-JV_ALWAYS_INLINE f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(v.x, p, sizeof v.x);
-  return v;
-}
-JV_ALWAYS_INLINE void store8(float* p, const f32x8& v) { std::memcpy(p, v.x, sizeof v.x); }
-JV_ALWAYS_INLINE f32x8 splat8(float a) {
-  f32x8 v;
-  for (int l = 0; l < 8; ++l) v.x[l] = a;
-  return v;
-}
-#endif
-
-// Rows of A per register tile: 6 x 16 accumulators fill 12 of AVX's 16 vector registers; the
-// baseline (SSE: two registers per f32x8, 16 in all) takes 2.
-#if defined(__AVX__)
-constexpr int kTileRows = 6;
-#else
-constexpr int kTileRows = 2;
-#endif
-
-template <int MR>
-JV_ALWAYS_INLINE void gemm_tile(int64_t K, const float* A, int64_t am, int64_t ak,
-                                const float* B, int64_t ldb, float* C, int64_t ldc,
-                                bool accumulate) {
-  f32x8 c0[MR], c1[MR];
-  for (int m = 0; m < MR; ++m) {
-    if (accumulate) {
-      c0[m] = load8(C + m * ldc);
-      c1[m] = load8(C + m * ldc + 8);
-    } else {
-      c0[m] = splat8(0.0f);
-      c1[m] = splat8(0.0f);
-    }
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const f32x8 b0 = load8(B + k * ldb), b1 = load8(B + k * ldb + 8);
-    const float* a = A + k * ak;
-    for (int m = 0; m < MR; ++m) {
-      const f32x8 am_k = splat8(a[m * am]);
-      c0[m] += am_k * b0;
-      c1[m] += am_k * b1;
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    store8(C + m * ldc, c0[m]);
-    store8(C + m * ldc + 8, c1[m]);
-  }
-}
-
-template <int MR>
-void gemm_rows(int64_t M, int64_t K, const float* A, int64_t am, int64_t ak, const float* B,
-               int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR)
-    gemm_tile<MR>(K, A + m * am, am, ak, B, ldb, C + m * ldc, ldc, accumulate);
-  if constexpr (MR > 1) {
-    if (m < M) gemm_rows<MR - 1>(M - m, K, A + m * am, am, ak, B, ldb, C + m * ldc, ldc,
-                                 accumulate);
-  }
-}
-
-void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t am, int64_t ak,
-          const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  // Column strips of B (K x 16, in cache) are reused across every row tile of A.
-  for (int64_t n = 0; n < N; n += kLanes)
-    gemm_rows<kTileRows>(M, K, A, am, ak, B + n, ldb, C + n, ldc, accumulate);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Loads and the elementwise step.
-
-// dst[r * ld + c] = float(src[r * row_stride + c]) for r < rows, c < cols; columns [cols, ld)
-// of each row are zeroed (the padding the gemm's column tiles read).
-template <typename T>
-void load_rows(const T* src, int64_t row_stride, int64_t rows, int64_t cols, float* dst,
-               int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* s = src + r * row_stride;
-    float* d = dst + r * ld;
-    for (int64_t c = 0; c < cols; ++c) d[c] = to_float(s[c]);
-    std::fill(d + cols, d + ld, 0.0f);
-  }
-}
-
-// dst[c * ld + r] = float(src[r * row_stride + c]): rows r < rows become columns; columns
-// [rows, ld) are zeroed.
-template <typename T>
-void load_transposed(const T* src, int64_t row_stride, int64_t rows, int64_t cols, float* dst,
-                     int64_t ld) {
-  for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld + rows, dst + (c + 1) * ld, 0.0f);
-  // Blocks of 16 rows: each pass over a block's columns writes whole cache lines of dst
-  // while the block's 16 source rows stay in cache.
-  constexpr int64_t kBlock = 16;
-  for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
-    const int64_t r1 = std::min(rows, r0 + kBlock);
-    for (int64_t c = 0; c < cols; ++c) {
-      float* d = dst + c * ld;
-      for (int64_t r = r0; r < r1; ++r) d[r] = to_float(src[r * row_stride + c]);
-    }
-  }
-}
-
-// Turns scores into probabilities and score gradients, in place, for rows r < rows and
-// columns j < cols (key j0 + j): on entry s holds <q_r, k_j> and dp holds <d_out_r, v_j>; on
-// exit s holds P_rj and dp holds dS_rj (without the outer scale). Entries past a row's allowed
-// keys (limit[r]) are exactly 0, whatever the products held.
-void probabilities(const AttentionParams& p, int64_t rows, int64_t cols, int64_t j0,
-                   const int64_t* limit, const float* lse, const float* delta, float* s,
-                   float* dp, int64_t ld) {
-  const float scale = p.scale, cap = p.softcap;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* __restrict sr = s + r * ld;
-    float* __restrict dr = dp + r * ld;
-    const int64_t count = std::clamp<int64_t>(limit[r] - j0, 0, cols);
-    const float l = lse[r], d = delta[r];
 #if defined(JV_VECTOR_EXP)
-    // cols is a multiple of kLanes (<= 64), so the columns are whole 8-lane vectors; lanes at
-    // or past count are set to exactly 0 by a select (never by a product).
-    const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    for (int64_t j = 0; j < cols; j += 8) {
-      const i32x8 allowed = (lane + int32_t(j)) < int32_t(count);
-      f32x8 x = load8(sr + j) * splat8(scale);
-      f32x8 grad_cap = splat8(1.0f);
-      if (cap > 0.0f) {
-        const f32x8 t = tanh8(x / splat8(cap));
-        x = splat8(cap) * t;
-        grad_cap = splat8(1.0f) - t * t;  // d/dx of cap * tanh(x / cap)
-      }
-      const f32x8 pj = exp_nonpositive8(x - splat8(l));
-      const f32x8 ds = pj * (load8(dr + j) - splat8(d)) * grad_cap;
-      store8(sr + j, allowed ? pj : splat8(0.0f));
-      store8(dr + j, allowed ? ds : splat8(0.0f));
-    }
+// Eight pairs; lse and delta of their rows.
+JV_ALWAYS_INLINE void weights8(float scale, float cap, const i32x8& allowed, const f32x8& lse,
+                               const f32x8& delta, float* s, float* dp) {
+  f32x8 x = load8(s) * splat8(scale);
+  f32x8 grad_cap = splat8(1.0f);
+  if (cap > 0.0f) {
+    const f32x8 t = tanh8(x / splat8(cap));
+    x = splat8(cap) * t;
+    grad_cap = splat8(1.0f) - t * t;  // d/dx of cap * tanh(x / cap)
+  }
+  const f32x8 pj = exp_nonpositive8(x - lse);
+  const f32x8 ds = pj * (load8(dp) - delta) * grad_cap;
+  store8(s, allowed ? pj : splat8(0.0f));
+  store8(dp, allowed ? ds : splat8(0.0f));
+}
 #else
-    if (cap > 0.0f) {
-      for (int64_t j = 0; j < count; ++j) {
-        const float t = std::tanh(sr[j] * scale / cap);  // as the forward rounds it
-        const float pj = exp_nonpositive(cap * t - l);
-        sr[j] = pj;
-        dr[j] = pj * (dr[j] - d) * (1.0f - t * t);  // d/dx of cap * tanh(x / cap)
-      }
-    } else {
-      for (int64_t j = 0; j < count; ++j) {
-        const float pj = exp_nonpositive(sr[j] * scale - l);
-        sr[j] = pj;
-        dr[j] = pj * (dr[j] - d);
-      }
-    }
+// One allowed pair.
+inline void weights1(float scale, float cap, float lse, float delta, float* s, float* dp) {
+  if (cap > 0.0f) {
+    const float t = std::tanh(*s * scale / cap);  // as the forward rounds it
+    *s = exp_nonpositive(cap * t - lse);
+    *dp = *s * (*dp - delta) * (1.0f - t * t);  // d/dx of cap * tanh(x / cap)
+  } else {
+    *s = exp_nonpositive(*s * scale - lse);
+    *dp = *s * (*dp - delta);
+  }
+}
+#endif
+
+// Rows of s are query rows r < rows, columns keys j0 + j, j < cols (a multiple of kLanes).
+void weights_by_rows(const AttentionParams& p, int64_t rows, int64_t cols, int64_t j0,
+                     const int32_t* limit, const float* lse, const float* delta, float* s,
+                     float* dp, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * ld;
+    float* dr = dp + r * ld;
+    const int64_t count = std::clamp<int64_t>(limit[r] - j0, 0, cols);
+#if defined(JV_VECTOR_EXP)
+    for (int64_t j = 0; j < cols; j += 8)
+      weights8(p.scale, p.softcap, lanes_below(j, count), splat8(lse[r]), splat8(delta[r]),
+               sr + j, dr + j);
+#else
+    for (int64_t j = 0; j < count; ++j)
+      weights1(p.scale, p.softcap, lse[r], delta[r], sr + j, dr + j);
     std::fill(sr + count, sr + cols, 0.0f);
     std::fill(dr + count, dr + cols, 0.0f);
 #endif
   }
 }
 
-// Scratch of one thread, reused across items (sized up, never down).
-struct Scratch {
-  std::vector<float> key_t;    // [D, key_ld]: keys transposed (score products run over keys)
-  std::vector<float> value_t;  // [Dv, key_ld]
-  std::vector<float> key;      // [keys, Dp]: keys by rows (the d_query product runs over D)
-  std::vector<float> query;    // [rows, D]
-  std::vector<float> d_out;    // [rows, Dv]
-  std::vector<float> score;    // [rows, 64]: scores, then P
-  std::vector<float> d_score;  // [rows, 64]: <d_out, v>, then dS
-  std::vector<float> acc_a;    // d_key transposed [D, 64], or d_query [rows, Dp]
-  std::vector<float> acc_b;    // d_value transposed [Dv, 64]
-  std::vector<float> lse, delta;
-  std::vector<int64_t> limit;
-};
-
-template <typename V>
-void ensure(V& v, int64_t size) {
-  if (int64_t(v.size()) < size) v.resize(size);
+// Rows of s are keys j0 + j, j < step, columns query rows r < rows_ld (a multiple of kLanes;
+// limit is 0 past the real rows).
+void weights_by_keys(const AttentionParams& p, int64_t rows_ld, int64_t step, int64_t j0,
+                     const int32_t* limit, const float* lse, const float* delta, float* s,
+                     float* dp, int64_t ld) {
+#if defined(JV_VECTOR_EXP)
+  for (int64_t r = 0; r < rows_ld; r += 8) {
+    i32x8 lim;
+    std::memcpy(&lim, limit + r, sizeof lim);
+    const f32x8 l = load8(lse + r), d = load8(delta + r);
+    for (int64_t j = 0; j < step; ++j)
+      weights8(p.scale, p.softcap, int32_t(j0 + j) < lim, l, d, s + j * ld + r, dp + j * ld + r);
+  }
+#else
+  for (int64_t j = 0; j < step; ++j) {
+    for (int64_t r = 0; r < rows_ld; ++r) {
+      float* sj = s + j * ld + r;
+      float* dj = dp + j * ld + r;
+      if (j0 + j < limit[r]) {
+        weights1(p.scale, p.softcap, lse[r], delta[r], sj, dj);
+      } else {
+        *sj = 0.0f;
+        *dj = 0.0f;
+      }
+    }
+  }
+#endif
 }
 
-// Query rows [i, i + rows) of head h: their inputs (float), lse, delta and allowed-key counts.
-template <typename T>
-void load_query_rows(const BackwardParams& bp, const SeqlenInfo& seq, int64_t h, int64_t i,
-                     int64_t rows, Scratch& w) {
+// Scratch of one thread, reused across items (sized up, never down).
+struct Scratch {
+  // d_key/d_value items: the key block transposed (its columns are the block's keys) and the
+  // query rows of one step, unless read in place (rows_as_float).
+  std::vector<float> key_t;    // [D, cols]
+  std::vector<float> value_t;  // [Dv, cols]
+  std::vector<float> query;    // [kRowStep, D]
+  std::vector<float> d_out;    // [kRowStep, Dv]
+  // d_query items: the keys by rows, unless read in place, and one head's rows transposed
+  // (their columns are the rows).
+  std::vector<float> key;      // [keys, D]
+  std::vector<float> key_p;    // [keys, Dp]: columns padded to kLanes (when D is not)
+  std::vector<float> value;    // [keys, Dv]
+  std::vector<float> query_t;  // [D, rows_ld]
+  std::vector<float> d_out_t;  // [Dv, rows_ld]
+  // Both: scores then P, <d_out, v> then dS, of one step (64 x 64); the accumulators.
+  std::vector<float> score;
+  std::vector<float> d_score;
+  std::vector<float> acc_a;  // d_key transposed [D, cols], or d_query [rows, Dp]
+  std::vector<float> acc_b;  // d_value transposed [Dv, cols]
+};
+
+// lse, delta and allowed-key counts of query rows [i, i + rows) of head h, into arrays whose
+// entries [rows, ld) get 0 (no key, so their weights are 0).
+void load_row_stats(const BackwardParams& bp, const SeqlenInfo& seq, int64_t h, int64_t i,
+                    int64_t rows, int64_t ld, float* lse, float* delta, int32_t* limit) {
   const AttentionParams& p = bp.fwd;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  load_rows(static_cast<const T*>(p.q) + seq.q_index(p, i, h), p.q_row_stride, rows, D,
-            w.query.data(), D);
-  load_rows(static_cast<const T*>(bp.d_out) + seq.out_index(p, i, h), p.out_row_stride, rows,
-            Dv, w.d_out.data(), Dv);
-  for (int64_t r = 0; r < rows; ++r) {
-    w.lse[r] = p.lse[seq.lse_index(p, h, i + r)];
-    w.delta[r] = bp.delta[seq.lse_index(p, h, i + r)];
-    w.limit[r] = allowed_keys(i + r, seq.seqlen_k, seq.seqlen_q, p.is_causal);
+  for (int64_t r = 0; r < ld; ++r) {
+    const bool real = r < rows;
+    lse[r] = real ? p.lse[seq.lse_index(p, h, i + r)] : 0.0f;
+    delta[r] = real ? bp.delta[seq.lse_index(p, h, i + r)] : 0.0f;
+    limit[r] = real ? int32_t(allowed_keys(i + r, seq.seqlen_k, seq.seqlen_q, p.is_causal)) : 0;
   }
 }
 
@@ -326,7 +178,11 @@ void delta_item(const BackwardParams& bp, int64_t item) {
 // heads, then over the query rows that see key j0 (all rows; under causal, rows from
 // j0 - n + Sq on), in that order. Keys at or past n (the padding of the sequence's key rows)
 // get zeros and are never read; blocks past its key rows (a packed batch's items cover the
-// longest sequence) do nothing.
+// longest sequence) do nothing. Per head and step of kRowStep query rows, the key block is
+// the transposed operand (loaded once per item) and the rows are read in place:
+//   score [rows, cols]  = query [rows, D] x key_t [D, cols],   d_score = d_out x value_t
+//   -> P, dS (weights_by_rows)
+//   acc_v [Dv, cols]   += d_out^T [Dv, rows] x P,              acc_k [D, cols] += query^T x dS
 template <typename T>
 void dkv_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t j0) {
   const AttentionParams& p = bp.fwd;
@@ -347,15 +203,10 @@ void dkv_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_
   const int64_t cols = round_up(keys, kLanes);
   ensure(w.key_t, D * cols);
   ensure(w.value_t, Dv * cols);
-  ensure(w.query, kRowStep * D);
-  ensure(w.d_out, kRowStep * Dv);
   ensure(w.score, kRowStep * cols);
   ensure(w.d_score, kRowStep * cols);
   ensure(w.acc_a, D * cols);
   ensure(w.acc_b, Dv * cols);
-  ensure(w.lse, kRowStep);
-  ensure(w.delta, kRowStep);
-  ensure(w.limit, kRowStep);
   load_transposed(static_cast<const T*>(p.k) + seq.k_index(p, j0, g), p.k_row_stride, keys, D,
                   w.key_t.data(), cols);
   load_transposed(static_cast<const T*>(p.v) + seq.v_index(p, j0, g), p.v_row_stride, keys, Dv,
@@ -364,22 +215,26 @@ void dkv_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_
   float* acc_v = w.acc_b.data();  // [Dv, cols]
   std::fill(acc_k, acc_k + D * cols, 0.0f);
   std::fill(acc_v, acc_v + Dv * cols, 0.0f);
+  float* s = w.score.data();
+  float* ds = w.d_score.data();
 
   const int64_t first_row = p.is_causal ? std::max<int64_t>(0, j0 - n + Sq) : 0;
   for (int64_t h = g * G; h < (g + 1) * G; ++h) {
     for (int64_t i = first_row; i < Sq; i += kRowStep) {
       const int64_t rows = std::min(kRowStep, Sq - i);
-      load_query_rows<T>(bp, seq, h, i, rows, w);
-      const float* q = w.query.data();
-      const float* g_out = w.d_out.data();
-      float* s = w.score.data();
-      float* ds = w.d_score.data();
-      gemm(rows, cols, D, q, D, 1, w.key_t.data(), cols, s, cols, false);          // q k^T
-      gemm(rows, cols, Dv, g_out, Dv, 1, w.value_t.data(), cols, ds, cols, false);  // dO v^T
-      probabilities(p, rows, cols, j0, w.limit.data(), w.lse.data(), w.delta.data(), s, ds,
-                    cols);
-      gemm(Dv, cols, rows, g_out, 1, Dv, s, cols, acc_v, cols, true);  // d_v^T += dO^T P
-      gemm(D, cols, rows, q, 1, D, ds, cols, acc_k, cols, true);       // d_k^T += q^T dS
+      float lse[kRowStep], delta[kRowStep];
+      int32_t limit[kRowStep];
+      load_row_stats(bp, seq, h, i, rows, rows, lse, delta, limit);
+      int64_t q_ld, o_ld;
+      const float* q = rows_as_float(static_cast<const T*>(p.q) + seq.q_index(p, i, h),
+                                     p.q_row_stride, rows, D, D, w.query, &q_ld);
+      const float* g_out = rows_as_float(static_cast<const T*>(bp.d_out) + seq.out_index(p, i, h),
+                                         p.out_row_stride, rows, Dv, Dv, w.d_out, &o_ld);
+      gemm(rows, cols, D, q, q_ld, 1, w.key_t.data(), cols, s, cols, false);
+      gemm(rows, cols, Dv, g_out, o_ld, 1, w.value_t.data(), cols, ds, cols, false);
+      weights_by_rows(p, rows, cols, j0, limit, lse, delta, s, ds, cols);
+      gemm(Dv, cols, rows, g_out, 1, o_ld, s, cols, acc_v, cols, true);
+      gemm(D, cols, rows, q, 1, q_ld, ds, cols, acc_k, cols, true);
     }
   }
   for (int64_t j = 0; j < keys; ++j) {
@@ -391,66 +246,76 @@ void dkv_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_
 }
 
 // d_query of query rows [i0, i0 + kRowBlock) of the query heads of kv head g: summed over
-// each row's allowed keys in order. Rows with no allowed key get zeros; blocks past the
-// sequence's query rows do nothing.
+// each row's allowed keys in order (and only those: a NaN in a key the row may not see never
+// meets its zero weight). Rows with no allowed key get zeros; blocks past the sequence's query
+// rows do nothing. Per head and step of kKeyStep keys, the query rows are the transposed
+// operand (loaded once per head) and the keys are read in place:
+//   score_t [step, rows_ld] = key [step, D] x query_t [D, rows_ld],   d_score_t = value x d_out_t
+//   -> P, dS (weights_by_keys)
+//   acc [rows, Dp]         += dS [rows, step] x key [step, Dp], row r to its limit
 template <typename T>
 void dq_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t i0) {
   const AttentionParams& p = bp.fwd;
   const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.num_heads / p.kv_num_heads;
   const int64_t Sq = seq.seqlen_q, n = seq.seqlen_k;
-  const int64_t i1 = std::min(Sq, i0 + kRowBlock), rows = i1 - i0;
-  if (rows <= 0) return;
-  const int64_t keys = allowed_keys(i1 - 1, n, Sq, p.is_causal);  // the most any row here sees
+  const int64_t i1 = std::min(Sq, i0 + kRowBlock);
+  if (i0 >= i1) return;
+  // Under causal the leading rows may see no key: rows [i0, i0 + first) get zeros and are left
+  // out of the products (limit grows with the row).
+  int64_t first = 0;
+  while (i0 + first < i1 && allowed_keys(i0 + first, n, Sq, p.is_causal) == 0) ++first;
+  const int64_t rows = i1 - i0 - first, rows_ld = round_up(rows, kLanes);
   T* d_q = static_cast<T*>(bp.d_q);
-  if (keys == 0) {
-    for (int64_t h = g * G; h < (g + 1) * G; ++h)
-      for (int64_t i = i0; i < i1; ++i)
-        std::fill(d_q + seq.q_index(p, i, h), d_q + seq.q_index(p, i, h) + D,
-                  from_float<T>(0.0f));
-    return;
-  }
+  for (int64_t h = g * G; h < (g + 1) * G; ++h)
+    for (int64_t i = i0; i < i0 + first; ++i)
+      std::fill(d_q + seq.q_index(p, i, h), d_q + seq.q_index(p, i, h) + D, from_float<T>(0.0f));
+  if (rows == 0) return;
+  const int64_t keys = allowed_keys(i1 - 1, n, Sq, p.is_causal);  // the most any row here sees
 
   thread_local Scratch w;
-  const int64_t key_ld = round_up(keys, kLanes), Dp = round_up(D, kLanes);
-  ensure(w.key_t, D * key_ld);
-  ensure(w.value_t, Dv * key_ld);
-  ensure(w.key, keys * Dp);
-  ensure(w.query, rows * D);
-  ensure(w.d_out, rows * Dv);
-  ensure(w.score, rows * kKeyStep);
-  ensure(w.d_score, rows * kKeyStep);
+  const int64_t Dp = round_up(D, kLanes);
+  ensure(w.query_t, D * rows_ld);
+  ensure(w.d_out_t, Dv * rows_ld);
+  ensure(w.score, kKeyStep * rows_ld);
+  ensure(w.d_score, kKeyStep * rows_ld);
   ensure(w.acc_a, rows * Dp);
-  ensure(w.lse, rows);
-  ensure(w.delta, rows);
-  ensure(w.limit, rows);
   // Only the keys some row here may attend to are read (never padding), once for the group.
   const T* k = static_cast<const T*>(p.k) + seq.k_index(p, 0, g);
-  load_transposed(k, p.k_row_stride, keys, D, w.key_t.data(), key_ld);
-  load_transposed(static_cast<const T*>(p.v) + seq.v_index(p, 0, g), p.v_row_stride, keys, Dv,
-                  w.value_t.data(), key_ld);
-  load_rows(k, p.k_row_stride, keys, D, w.key.data(), Dp);
+  int64_t key_ld, value_ld;
+  const float* key = rows_as_float(k, p.k_row_stride, keys, D, D, w.key, &key_ld);
+  int64_t key_p_ld = key_ld;  // the d_query product's operand: columns padded to kLanes
+  const float* key_p = key;
+  if (Dp != D) key_p = rows_as_float(k, p.k_row_stride, keys, D, Dp, w.key_p, &key_p_ld);
+  const float* value = rows_as_float(static_cast<const T*>(p.v) + seq.v_index(p, 0, g),
+                                     p.v_row_stride, keys, Dv, Dv, w.value, &value_ld);
 
   float* acc = w.acc_a.data();  // [rows, Dp]
+  float* s = w.score.data();
+  float* ds = w.d_score.data();
   for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-    load_query_rows<T>(bp, seq, h, i0, rows, w);
+    const int64_t i = i0 + first;
+    float lse[kRowBlock], delta[kRowBlock];
+    int32_t limit[kRowBlock];
+    int64_t count[kRowBlock];  // allowed keys of row i + r in the current step
+    load_row_stats(bp, seq, h, i, rows, rows_ld, lse, delta, limit);
+    load_transposed(static_cast<const T*>(p.q) + seq.q_index(p, i, h), p.q_row_stride, rows, D,
+                    w.query_t.data(), rows_ld);
+    load_transposed(static_cast<const T*>(bp.d_out) + seq.out_index(p, i, h), p.out_row_stride,
+                    rows, Dv, w.d_out_t.data(), rows_ld);
     std::fill(acc, acc + rows * Dp, 0.0f);
-    float* s = w.score.data();
-    float* ds = w.d_score.data();
     for (int64_t j0 = 0; j0 < keys; j0 += kKeyStep) {
-      const int64_t step = std::min(kKeyStep, keys - j0), cols = round_up(step, kLanes);
-      gemm(rows, cols, D, w.query.data(), D, 1, w.key_t.data() + j0, key_ld, s, kKeyStep,
-           false);
-      gemm(rows, cols, Dv, w.d_out.data(), Dv, 1, w.value_t.data() + j0, key_ld, ds, kKeyStep,
-           false);
-      probabilities(p, rows, cols, j0, w.limit.data(), w.lse.data(), w.delta.data(), s, ds,
-                    kKeyStep);
-      gemm(rows, Dp, step, ds, kKeyStep, 1, w.key.data() + j0 * Dp, Dp, acc, Dp, true);  // dS k
+      const int64_t step = std::min(kKeyStep, keys - j0);
+      gemm(step, rows_ld, D, key + j0 * key_ld, key_ld, 1, w.query_t.data(), rows_ld, s,
+           rows_ld, false);
+      gemm(step, rows_ld, Dv, value + j0 * value_ld, value_ld, 1, w.d_out_t.data(), rows_ld, ds,
+           rows_ld, false);
+      weights_by_keys(p, rows_ld, step, j0, limit, lse, delta, s, ds, rows_ld);
+      for (int64_t r = 0; r < rows; ++r) count[r] = std::clamp<int64_t>(limit[r] - j0, 0, step);
+      gemm(rows, Dp, step, ds, 1, rows_ld, key_p + j0 * key_p_ld, key_p_ld, acc, Dp, true, count);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      T* dq = d_q + seq.q_index(p, i0 + r, h);
-      const bool any = w.limit[r] > 0;  // empty rows: zero, even if a key is NaN
-      for (int64_t d = 0; d < D; ++d)
-        dq[d] = from_float<T>(any ? p.scale * acc[r * Dp + d] : 0.0f);
+      T* dq = d_q + seq.q_index(p, i + r, h);
+      for (int64_t d = 0; d < D; ++d) dq[d] = from_float<T>(p.scale * acc[r * Dp + d]);
     }
   }
 }
