@@ -159,12 +159,25 @@ def cuda_plan(avals_in, config: AttentionConfig) -> dict:
     else:
         pack_seqs, seqlen_q, seqlen_k = (avals_in[3].shape[1] - 1, config.max_seqlen_q,
                                          config.max_seqlen_k)
-    plan = _ffi.extension().plan(
-        dtype=jnp.dtype(query.dtype).name, pack_seqs=pack_seqs, pack_rows_q=pack_rows_q,
-        pack_rows_k=pack_rows_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads,
-        kv_num_heads=kv_num_heads, head_dim=head_dim, head_dim_v=head_dim_v)
-    if plan["unsupported"]:
-        raise ValueError(plan["unsupported"])
+
+    def ask(seqs):
+        plan = _ffi.extension().plan(
+            dtype=jnp.dtype(query.dtype).name, pack_seqs=seqs, pack_rows_q=pack_rows_q,
+            pack_rows_k=pack_rows_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads,
+            kv_num_heads=kv_num_heads, head_dim=head_dim, head_dim_v=head_dim_v)
+        if plan["unsupported"]:
+            raise ValueError(plan["unsupported"])
+        return plan
+
+    if not jax.export.is_symbolic_dim(pack_seqs):
+        return ask(pack_seqs)
+    # A symbolic number of sequences per pack (jax.export): every workspace is affine in it
+    # (plan.h: split-KV partials per sequence, one more dQ slot per sequence), so the plans
+    # at 1 and 2 give its size as an expression; the handler plans the concrete count.
+    one, two = ask(1), ask(2)
+    plan = dict(one)
+    for name in ("split_workspace_per_pack", "dq_workspace_per_pack"):
+        plan[name] = one[name] + (pack_seqs - 1) * (two[name] - one[name])
     return plan
 
 
