@@ -15,7 +15,9 @@
 # shape, so a stage cut short keeps what finished).
 # Env: TOTAL_S; stage limits TESTS_S (300) BENCH_S (270) TRAIN_S (400) DECODE_S (120)
 #   SWEEP_S (240) NCU_S (200); TEST_FILES (default tests; files or folders, from the repo
-#   root), PYTEST_M (-m, default gpu; empty for every test), PYTEST_K (-k); SHAPES (bench),
+#   root), PYTEST_M (-m, default gpu; empty for every test), PYTEST_K (-k), PYTEST_ARGS (more
+#   pytest flags, e.g. "-n 6" with pytest-xdist's wheel in .whl/: processes share the GPU, so
+#   XLA_PYTHON_CLIENT_PREALLOCATE=false is set for them); SHAPES (bench),
 #   TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more bench.py flags, e.g. --quick), STEP_S
 #   (train: timing bound per measurement, default 15); NCU_SHAPES, NCU_REGEX, NCU_GRAD
 #   (non-empty: profile gradients, e.g. with NCU_REGEX=regex:bwd_); OUT (output folder,
@@ -67,9 +69,11 @@ for stage in $STAGES; do
   t0=$(date +%s)
   case $stage in
     tests) L=$(limit "${TESTS_S:-300}") || { echo "tests: skipped (time)"; continue; }
+      pre=(env)
+      [[ " ${PYTEST_ARGS:-} " == *" -n "* ]] && pre=(env XLA_PYTHON_CLIENT_PREALLOCATE=false)
       files=${TEST_FILES:-tests}
-      timeout "$L" python3 -m pytest $(cd "$R" && for f in $files; do echo "$R/$f"; done) \
-        -q -rP -p no:cacheprovider --durations=5 -m "${PYTEST_M-gpu}" -k "${PYTEST_K:-}" 2>&1 \
+      timeout "$L" "${pre[@]}" python3 -m pytest $(cd "$R" && for f in $files; do echo "$R/$f"; done) \
+        -q -rP -p no:cacheprovider --durations=5 -m "${PYTEST_M-gpu}" -k "${PYTEST_K:-}" ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -12 ;;
     bench) L=$(limit "${BENCH_S:-270}") || { echo "bench: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/bench.py" --out "$OUT" --passes fwd \

@@ -1,10 +1,13 @@
 """One call of each CUDA kernel on a benchmark shape, for Nsight Compute:
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --target-processes all \
-        -k "regex:fwd_(tc|split)_kernel" --launch-count 4 python3 ncu_case.py [--grad] [names]
+        -k "regex:fwd_(tc|split)_kernel" --launch-count 4 python3 ncu_case.py [--grad] [--packed] [names]
 
 Each named shape of shapes.json (default: d128-full, decode-full) runs twice (the first call
-compiles), so `--launch-count 2` per shape profiles a warm launch too. With --grad each call
+compiles), so `--launch-count 2` per shape profiles a warm launch too. A shape's padded query
+rows (lengths_q) go in as nonpad_q_seqlen; --packed calls packed_attention on the shape's valid
+tokens instead (bench.Packed, as the benchmark's jax_varlen_packed). --runs N: N calls instead
+of 2 (kernel_times.py finds one call's kernels as the launches that repeat at the end). With --grad each call
 is the gradient of sum(out * dO) (forward and backward kernels, e.g. -k "regex:bwd_"). Without
 XLA_PYTHON_CLIENT_PREALLOCATE=false, ncu saves and restores JAX's whole memory pool around
 every replay pass.
@@ -17,25 +20,39 @@ import jax
 import bench
 
 
-def main(names, grad):
+def call(jax_varlen, shape, packed):
+    """(fn, args): the shape's padded call (lengths_q, where the shape has them, as
+    nonpad_q_seqlen), or with `packed` the packed call on its valid tokens (bench.Packed)."""
+    inputs = bench.make_set(shape, jax.numpy.bfloat16, 0, 0)
+    causal = shape["causal"]
+    if packed:
+        pk = bench.Packed(shape)
+        return (lambda q, k, v, cq, ck: jax_varlen.packed_attention(
+            q, k, v, cq, ck, is_causal=causal, **pk.hints)), pk.pack(*inputs)
+    return (lambda q, k, v, n, n_q=None: jax_varlen.attention(
+        q, k, v, n, nonpad_q_seqlen=n_q, is_causal=causal)), inputs
+
+
+def main(names, grad, packed, runs):
     jax_varlen, error = bench.import_jax_varlen()
     if jax_varlen is None:
         sys.exit(error)
     shapes = bench.load_shapes()
     for name in names:
-        shape = shapes[name]
-        q, k, v, n = bench.make_inputs(shape, jax.numpy.bfloat16, 0, 0)
-        f = jax.jit(lambda q, k, v, n: jax_varlen.attention(q, k, v, n, is_causal=shape["causal"]))
+        attn, inputs = call(jax_varlen, shapes[name], packed)
+        f = jax.jit(attn)
         if grad:
-            attn = f
-            f = jax.jit(jax.grad(lambda q, k, v, n: attn(q, k, v, n).astype(jax.numpy.float32).sum(),
-                                 argnums=(0, 1, 2)))
-        for _ in range(2):
-            jax.block_until_ready(f(q, k, v, n))
-        print(f"ran {name}", flush=True)
+            f = jax.jit(jax.grad(lambda *a: attn(*a).astype(jax.numpy.float32).sum(), argnums=(0, 1, 2)))
+        for _ in range(runs):
+            jax.block_until_ready(f(*inputs))
+        print(f"ran {name}{' packed' if packed else ''}", flush=True)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    grad = "--grad" in args
-    main([a for a in args if a != "--grad"] or ["d128-full", "decode-full"], grad)
+    runs = int(args[args.index("--runs") + 1]) if "--runs" in args else 2
+    if "--runs" in args:
+        del args[args.index("--runs"):args.index("--runs") + 2]
+    flags = {"--grad", "--packed"}
+    main([a for a in args if a not in flags] or ["d128-full", "decode-full"], "--grad" in args,
+         "--packed" in args, runs)

@@ -105,9 +105,10 @@ struct BackwardParams {
   void* d_v;            // [batch, seqlen_k, kv_num_heads, head_dim_v], v's strides
   float* delta;         // [batch, num_heads, seqlen_q] fp32 workspace (an XLA output)
   // The Hopper kernel's dQ workspace (cuda/limits.h has the layout, the plan its size;
-  // dispatch.cu points dq_semaphore past the tiles); nullptr on the CPU.
+  // dispatch.cu points dq_semaphore and seq_order past the tiles); nullptr on the CPU.
   float* dq_accum;
   int32_t* dq_semaphore;
+  int32_t* seq_order;  // [batch]: the sequences heaviest first (sm90/seq_order.cuh), after the counters
 };
 
 }  // namespace jax_varlen

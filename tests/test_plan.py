@@ -102,12 +102,13 @@ def test_split_workspace_size():
 def test_dq_workspace_by_bucket(dtype):
     """The Hopper backward's dQ workspace is sized for the buckets it takes (64, 128) and not
     past them (256), nor without a query or a key row; its per-pack size is num_heads x slots x
-    (a tile of bwd_block_m x bucket floats + a counter)."""
+    (a tile of bwd_block_m x bucket floats + a counter), and a sequence-order entry per
+    sequence."""
     for D, Dv, bucket in ((64, 64, 64), (48, 64, 64), (128, 72, 128), (96, 128, 128)):
         p = plan(dtype, Sq=300, D=D, Dv=Dv)
         assert p["head_dim_bucket"] == bucket and p["bwd_block_m"] > 0
         unit = p["bwd_block_m"] * bucket + 1
-        assert p["dq_workspace_per_pack"] > 0 and p["dq_workspace_per_pack"] % (8 * unit) == 0
+        assert p["dq_workspace_per_pack"] > 1 and (p["dq_workspace_per_pack"] - 1) % (8 * unit) == 0
     for kw in (dict(D=256), dict(D=64, Dv=136), dict(Sq=0), dict(Skv=0)):
         p = plan(dtype, **{"Sq": 300, **kw})
         assert p["dq_workspace_per_pack"] == 0 and p["bwd_block_m"] == 0
@@ -116,11 +117,11 @@ def test_dq_workspace_by_bucket(dtype):
 
 def test_dq_workspace_packed():
     """A pack of B sequences keeps each sequence's row blocks in slots of their own: B - 1 slots
-    more per head than one sequence over the same rows."""
+    more per head than one sequence over the same rows, and 3 more sequence-order entries."""
     one = plan(Sq=300, pack_rows_q=300, pack_seqs=1)
     four = plan(Sq=100, pack_rows_q=300, pack_seqs=4, seqlen_q=100)
     unit = one["bwd_block_m"] * one["head_dim_bucket"] + 1
-    assert four["dq_workspace_per_pack"] - one["dq_workspace_per_pack"] == 3 * 8 * unit
+    assert four["dq_workspace_per_pack"] - one["dq_workspace_per_pack"] == 3 * 8 * unit + 3
 
 
 # --------------------------------------------------------------------------------------------

@@ -155,8 +155,10 @@ cudaError_t run_bwd(const BackwardParams& bp, const Plan& plan, cudaStream_t str
   const BwdFn fn = kernels == nullptr ? nullptr : (*kernels)[int(p.dtype)][plan.bucket];
   if (fn == nullptr) return cudaErrorInvalidValue;
   BackwardParams args = bp;
-  if (path == BwdPath::kSm90)  // its counters follow the tiles (limits.h)
+  if (path == BwdPath::kSm90) {  // its counters follow the tiles, the sequence order them (limits.h)
     args.dq_semaphore = reinterpret_cast<int32_t*>(bp.dq_accum + plan.dq_accum_floats(p.num_packs, p.num_heads));
+    args.seq_order = args.dq_semaphore + p.num_packs * p.num_heads * plan.dq_slots;
+  }
   if (p.cu_seqlens_q != nullptr) {
     const cudaError_t err = run_packed_fill(bp, stream);
     if (err != cudaSuccess) return err;

@@ -48,6 +48,8 @@ constexpr int kFwdSm90BlockM = 128;
 //   dq_accum     [packs, num_heads, slots, block_m * bucket]   slots = bwd_dq_slots(...)
 //                (each row block's tile in the consumers' register order, bwd_sm90.cuh)
 //   dq_semaphore [packs, num_heads, slots] int32, right after it
+//   seq_order    [packs, pack_seqs] int32, right after that: the sequences heaviest first
+//                (sm90/seq_order.cuh), flat over the batch
 // bucket = the head-dim bucket of max(D, Dv); 0 elements when the plan gives the call no Hopper
 // backward (a bucket past kBwdSm90MaxHeadDim, float32, ...).
 // Sequence s of a pack (params.h) keeps its row blocks in slots (q_start + s * block_m) /

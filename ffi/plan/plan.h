@@ -138,7 +138,8 @@ inline Plan make_plan(const PlanInputs& in) {
       in.pack_seqs >= 1) {
     plan.bwd_block_m = c::bwd_block_m(bucket);
     plan.dq_slots = c::bwd_dq_slots(in.pack_rows_q, in.pack_seqs, plan.bwd_block_m);
-    plan.dq_workspace_per_pack = in.num_heads * plan.dq_slots * (int64_t(plan.bwd_block_m) * bucket + 1);
+    plan.dq_workspace_per_pack = in.num_heads * plan.dq_slots * (int64_t(plan.bwd_block_m) * bucket + 1) +
+                                 in.pack_seqs;
   }
   const int64_t bwd_ctas = (in.seqlen_k + c::kBwdBlockN - 1) / c::kBwdBlockN * batch * in.kv_num_heads;
   if (!tensor_cores) plan.bwd_path = BwdPath::kPortable;

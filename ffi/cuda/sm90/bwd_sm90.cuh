@@ -1,7 +1,8 @@
 // Hopper backward (sm_90a): TMA loads, the five products on wgmma with fp32 accumulators, a
 // producer warp, and a deterministic dQ that needs no separate pass and no float atomics.
 //
-// One CTA = (sequence b, kv head g, key block n of kBlockN = 128 keys), 3 warpgroups:
+// One CTA = (sequence b, kv head g, key block n of kBlockN = 128 keys), 3 warpgroups (the
+// sequences heaviest first, seq_order.cuh):
 //   warpgroup 0, warp 0: the producer. K and V of the block land once; then, for every query
 //     head h of g's group and every row block m (kBlockM rows: 64 at head-dim bucket 128, 128
 //     at 64, limits.h) that sees the block, Q[m]
@@ -32,7 +33,7 @@
 // kernel writes d_q = scale * dq_accum in the input dtype (zero rows where no block sees the
 // row block). The order depends only on the lengths, so d_q is bitwise deterministic. Every
 // wait is on a block of higher n of the same (b, g), which has a lower blockIdx.x (a pair's key
-// blocks are side by side, in reverse) and so was dispatched earlier: no deadlock whatever the
+// blocks are side by side, in reverse, whatever the sequences' order) and so was dispatched earlier: no deadlock whatever the
 // residency. Co-resident blocks are mostly one pair's key blocks, so Q, dO and the dq_accum
 // tiles they add into are read from L2 (measured: 1.12x on d128-full against a grid with the
 // pairs fastest, benchmarks/NOTES.md); the cost is a short ripple along the order at the start.
@@ -54,6 +55,7 @@
 #include <climits>
 
 #include "cuda/sm90/common.h"
+#include "cuda/sm90/seq_order.cuh"
 
 namespace jax_varlen::cuda::sm90 {
 
@@ -229,13 +231,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
   BwdBlock<kBlockM> blk;
-  {  // blockIdx.x = (b * kv_num_heads + g) * num_n_blocks + num_n_blocks - 1 - n: the key blocks
-     // of one (b, g) pair side by side, descending, so that co-resident blocks share Q, dO and
-     // dq_accum tiles in L2
+  {  // blockIdx.x = (rank * kv_num_heads + g) * num_n_blocks + num_n_blocks - 1 - n, sequence
+     // b = seq_order[rank] (heaviest first, seq_order.cuh): the key blocks of one (b, g) pair
+     // side by side, descending, so that co-resident blocks share Q, dO and dq_accum tiles in L2
     const int pair = int(blockIdx.x) / kp.num_n_blocks;
     blk.n_block = kp.num_n_blocks - 1 - int(blockIdx.x) % kp.num_n_blocks;
     blk.g = pair % int(p.kv_num_heads);
-    blk.locate(p, pair / int(p.kv_num_heads));
+    blk.locate(p, bp.seq_order[pair / int(p.kv_num_heads)]);
   }
   const int key0 = blk.n_block * kBlockN;
   {  // first row that sees key0: i + n - len_q >= key0 under the mask, every row otherwise
@@ -680,6 +682,8 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
                          int(bwd_dq_slots(p.pack_rows_q, p.pack_seqs, Tr::kBlockM))};
   const size_t sems = size_t(p.num_packs * p.num_heads * kp.num_slots) * sizeof(int);
   cudaError_t err = cudaMemsetAsync(bp.dq_semaphore, 0, sems, stream);
+  if (err != cudaSuccess) return err;
+  err = run_bwd_seq_order(p, bp.seq_order, stream);
   if (err != cudaSuccess) return err;
   auto kernel = p.softcap > 0.0f ? bwd_sm90_kernel<Tr, true> : bwd_sm90_kernel<Tr, false>;
   constexpr size_t kSmem = sizeof(BwdSharedStorage<Tr>);
