@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 
 #if defined(__CUDACC__)
 #define JV_HOST_DEVICE __host__ __device__ __forceinline__
@@ -17,6 +18,60 @@ namespace jax_varlen {
 // read, whatever the caller passed.
 JV_HOST_DEVICE int64_t clamp_seqlen(int64_t n, int64_t extent) {
   return n < 0 ? 0 : (n > extent ? extent : n);
+}
+
+// The mask of a call: the tail-aligned causal rule and a local window around each query's
+// position p = i + n - seqlen_q (row i of seqlen_q, n valid keys): key j is allowed iff
+//   j < n,  p - left <= j (left >= 0),  j <= p + right (right >= 0),  j <= p (causal).
+// -1 leaves a side of the window unbounded; a window of (-1, -1) is no window. jax.nn's
+// local_window_size convention: an int w is (w, w).
+struct MaskSpec {
+  bool causal = false;
+  int64_t left = -1, right = -1;
+};
+
+// A half-open interval [begin, end) of keys or rows; empty when end <= begin.
+struct Range {
+  int64_t begin, end;
+  JV_HOST_DEVICE bool empty() const { return end <= begin; }
+};
+
+// Keys [begin, end) that query row i may attend to (both bounds grow with i, by at most one
+// per row). Worked example, seqlen_q = n = 6, causal, left = 2: row 4 (p = 4) sees keys 2..4.
+JV_HOST_DEVICE Range key_range(const MaskSpec& m, int64_t i, int64_t n, int64_t seqlen_q) {
+  const int64_t p = i + n - seqlen_q;
+  int64_t end = n;
+  if (m.causal && p + 1 < end) end = p + 1;
+  if (m.right >= 0 && p + m.right + 1 < end) end = p + m.right + 1;
+  int64_t begin = m.left >= 0 && p - m.left > 0 ? p - m.left : 0;
+  if (end < begin) end = begin;
+  return {begin, end};
+}
+
+// Keys that some row of [i0, i1) may attend to: [begin of row i0, end of row i1 - 1), since
+// both bounds grow with the row (a superset when the rows' ranges do not overlap).
+JV_HOST_DEVICE Range key_range(const MaskSpec& m, int64_t i0, int64_t i1, int64_t n, int64_t seqlen_q) {
+  if (i1 <= i0) return {0, 0};
+  const Range first = key_range(m, i0, n, seqlen_q), last = key_range(m, i1 - 1, n, seqlen_q);
+  return {first.begin, last.end > first.begin ? last.end : first.begin};
+}
+
+// Query rows [begin, end), within [0, seqlen_q), that may attend to some key of [j0, j1): the
+// inverse of key_range, for a backward that walks key blocks. Row i sees key j iff its position
+// p = i + n - seqlen_q lies in [j (causal) or j - right (right >= 0), j + left (left >= 0)].
+JV_HOST_DEVICE Range row_range(const MaskSpec& m, int64_t j0, int64_t j1, int64_t n, int64_t seqlen_q) {
+  if (j1 > n) j1 = n;
+  if (j0 < 0) j0 = 0;
+  if (j1 <= j0 || seqlen_q <= 0) return {0, 0};
+  const int64_t shift = n - seqlen_q;  // p = i + shift
+  int64_t begin = 0, end = seqlen_q;
+  int64_t p_lo = INT64_MIN;
+  if (m.right >= 0) p_lo = j0 - m.right;
+  if (m.causal && j0 > p_lo) p_lo = j0;
+  if (p_lo != INT64_MIN && p_lo - shift > begin) begin = p_lo - shift;
+  if (m.left >= 0 && j1 - 1 + m.left - shift + 1 < end) end = j1 - 1 + m.left - shift + 1;
+  if (end < begin) end = begin;
+  return {begin, end};
 }
 
 // Number of keys query row i (of seqlen_q rows) may attend to, given n valid keys: keys

@@ -83,6 +83,11 @@ struct AttentionParams {
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)
   bool is_causal;  // tail-aligned: key j allowed for query i iff j <= i + n - len_q (len_q: the
                    // sequence's query rows, seqlen_q in the padded batch)
+  // Local window (mask.h, MaskSpec): keys p - window_left .. p + window_right of the row's
+  // tail-aligned position p; -1 = that side unbounded.
+  int64_t window_left = -1, window_right = -1;
+
+  JV_HOST_DEVICE MaskSpec mask() const { return {is_causal, window_left, window_right}; }
 };
 
 // The backward of one forward problem: the forward's inputs, out and lse (the residuals), the
