@@ -2,7 +2,7 @@
 // offset, or cut off by a clamped length): the kernels never write them, so dispatch.cu runs
 // these kernels first, on the same stream. Each thread decides the ownership of one row (a
 // binary search over the pack's offsets); then its warp zeroes the warp's unowned rows one by
-// one, all lanes on a row (coalesced). Valid offsets leave only a pack's tail unowned, so for
+// one, all lanes on a row (coalesced, 16-byte stores where the layout allows). Valid offsets leave only a pack's tail unowned, so for
 // most rows the kernel is the test alone.
 #pragma once
 
@@ -16,11 +16,17 @@ namespace jax_varlen::cuda {
 
 constexpr int kFillThreads = 256;
 
-// Zero elements [0, count) of a 16-bit or 32-bit row, by 16-bit halves (every dtype's zero).
-__device__ __forceinline__ void zero_row(void* row, int64_t elements, int elem_bytes, int lane) {
-  uint16_t* halves = static_cast<uint16_t*>(row);
-  const int64_t count = elements * (elem_bytes / 2);
-  for (int64_t e = lane; e < count; e += 32) halves[e] = 0;
+// Zero `bytes` bytes at `dst` (a multiple of 2: every dtype's zero is all-zero bits) with the
+// warp: 16-byte stores where the address and the size allow (the dense layouts' rows: a query
+// row of d128 bf16 with 32 heads is 8 KB, 16 stores a lane), 2-byte ones otherwise.
+__device__ __forceinline__ void zero_span(char* dst, int64_t bytes, int lane) {
+  if ((reinterpret_cast<uintptr_t>(dst) | uintptr_t(bytes)) % 16 == 0) {
+    uint4* chunks = reinterpret_cast<uint4*>(dst);
+    for (int64_t e = lane; e < bytes / 16; e += 32) chunks[e] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  uint16_t* halves = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t e = lane; e < bytes / 2; e += 32) halves[e] = 0;
 }
 
 // What a fill writes: the forward's out and lse, the backward's d_query (both over the query
@@ -41,9 +47,14 @@ __global__ void __launch_bounds__(kFillThreads) packed_fill_kernel(const __grid_
   for (unsigned unowned = __ballot_sync(0xffffffff, mine < rows && !row_owned(p, mine, kKeys));
        unowned != 0; unowned &= unowned - 1) {
     const int64_t r = mine - lane + __ffs(int(unowned)) - 1;
+    // Row r's heads: one span when they lie back to back (head_stride = dim), else head by head.
     auto zero = [&](void* base, int64_t row_stride, int64_t heads, int64_t head_stride, int64_t dim) {
-      for (int64_t h = 0; h < heads; ++h)
-        zero_row(static_cast<char*>(base) + (r * row_stride + h * head_stride) * elem_bytes, dim, elem_bytes, lane);
+      char* row = static_cast<char*>(base) + r * row_stride * elem_bytes;
+      if (head_stride == dim) {
+        zero_span(row, heads * dim * elem_bytes, lane);
+        return;
+      }
+      for (int64_t h = 0; h < heads; ++h) zero_span(row + h * head_stride * elem_bytes, dim * elem_bytes, lane);
     };
     if constexpr (kFill == Fill::kDKeyValue) {
       zero(bp.d_k, p.k_row_stride, p.kv_num_heads, p.k_head_stride, p.head_dim);
