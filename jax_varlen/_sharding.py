@@ -42,7 +42,15 @@ from jax.sharding import PartitionSpec as P
 
 from jax_varlen._sharding_rule import ShardingRule
 
-__all__ = ["ShardingRule", "register"]
+__all__ = ["ShardingRule", "register", "rule_of"]
+
+# primitive -> the rule register() gave it (tests check the rules the primitives really use).
+_RULES: dict[Primitive, ShardingRule] = {}
+
+
+def rule_of(primitive: Primitive) -> ShardingRule:
+    """The sharding rule ``primitive`` was registered with."""
+    return _RULES[primitive]
 
 
 def register(primitive: Primitive, rule: ShardingRule, *, abstract_eval, lowerings, targets=()):
@@ -58,6 +66,7 @@ def register(primitive: Primitive, rule: ShardingRule, *, abstract_eval, lowerin
       targets: the FFI target names those lowerings call; registered as batch partitionable
         when ``rule`` has a batch factor (the export path relies on it).
     """
+    _RULES[primitive] = rule
     # The per-device call. custom_partitioning's callbacks bind it on local blocks, and lower
     # it directly when there is nothing to partition (one device, fully manual shard_map).
     local = Primitive(primitive.name + "_local")

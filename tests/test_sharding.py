@@ -17,13 +17,12 @@ import sys
 import pytest
 
 import jax_varlen
+from jax_varlen._primitive import attention_fwd_p
+from jax_varlen._sharding import rule_of
 from jax_varlen._sharding_rule import ShardingRule
 
-ATTENTION = ShardingRule(
-    operands=("b q (k g) d", "b s k d", "b s k e", "b"),
-    results=("b q (k g) e", "b (k g) q"),
-    parallel=("b", "k"),
-)
+# The forward primitive's own rule (what sharded calls use), not a copy of it.
+ATTENTION = rule_of(attention_fwd_p)
 # query [B=8, Sq=5, H=8, D=16], key [8, 48, Hkv=4, 16], value [8, 48, 4, 8], lengths [8]
 SHAPES = [(8, 5, 8, 16), (8, 48, 4, 16), (8, 48, 4, 8), (8,)]
 AXES = {"x": 2, "y": 4, "z": 2}
