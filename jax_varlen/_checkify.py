@@ -117,3 +117,22 @@ def register_cu_seqlens_check(primitive) -> None:
                                     config.max_seqlen_k, "max_seqlen_k"))
 
     _register(primitive, checks)
+
+
+def block_table_check(block_table, seqlens_k, num_pages: int, page_size: int):
+    """The check of a paged cache's ``[..., B, max_pages]`` block table: every page a sequence's
+    keys use (entry ``p < ceil(seqlens_k[b] / page_size)``) must lie in ``[0, num_pages)``; the
+    entries past a sequence's pages are never read and not checked. ``(bad, message, b, p,
+    value)`` for the first offending entry (under vmap, ``b`` counts along the batch axis of
+    the first offending call)."""
+    batch, pages = block_table.shape[-2:]
+    if block_table.size == 0:
+        return jnp.bool_(False), "", jnp.int32(0), jnp.int32(0), jnp.int32(0)
+    n = jnp.clip(seqlens_k, 0, pages * page_size)[..., None]  # [..., B, 1]
+    used = jnp.arange(pages) < (n + page_size - 1) // page_size
+    bad = (used & ((block_table < 0) | (block_table >= num_pages))).reshape(-1)
+    at = jnp.argmax(bad)
+    return (jnp.any(bad),
+            f"block_table[{{}}, {{}}] = {{}} is out of range: the pages of a sequence's keys "
+            f"must lie in [0, num_pages={num_pages}); out-of-range entries are clamped",
+            at // pages % batch, at % pages, block_table.reshape(-1)[at])

@@ -279,3 +279,66 @@ def packed_reference(
     if rank2:
         out = out.reshape(out.shape[:1] + (-1,))
     return (out, lse) if return_lse else out
+
+
+def paged_reference(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seqlens_k,
+    *,
+    cu_seqlens_q=None,
+    max_seqlen_q=None,
+    num_heads=None,
+    kv_num_heads=None,
+    scale=None,
+    is_causal=False,
+    softcap=0.0,
+    local_window_size=None,
+    sinks=None,
+    return_lse=False,
+):
+    """The paged layout's attention: each key read on its own through the block table, then
+    the dense oracle (`reference` for a padded query, `packed_reference` for a packed one).
+
+    Key `j` of sequence `b` is row `j % page_size` of page `block_table[b, j // page_size]`
+    (entries clamped into `[0, num_pages)`); sequence `b` has `seqlens_k[b]` keys (clamped into
+    `[0, max_pages * page_size]`) and its queries are the last of them.
+
+    Args:
+      query: padded `[B, Sq, H, D]` (or `[B, Sq, H*D]`), or packed `[Tq, H, D]` (`[Tq, H*D]`)
+        with `cu_seqlens_q` `[B + 1]`.
+      key_cache, value_cache: `[num_pages, page_size, Hkv, D]` and `[..., Dv]` (or merged heads).
+      block_table: `[B, max_pages]` ints; seqlens_k: `[B]` ints.
+      max_seqlen_q: accepted for `paged_attention`'s signature; valid offsets never exceed it.
+      Others: as for `reference`.
+
+    Returns:
+      As `reference` (padded) or `packed_reference` (packed: `lse` `[H, Tq]`).
+    """
+    num_pages, page_size = key_cache.shape[:2]
+    max_pages = block_table.shape[1]
+    table = jnp.clip(jnp.asarray(block_table).astype(jnp.int32), 0, num_pages - 1)
+    extent = max_pages * page_size
+    n = jnp.clip(jnp.asarray(seqlens_k).astype(jnp.int32), 0, extent)
+    kw = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, is_causal=is_causal,
+              softcap=softcap, local_window_size=local_window_size, sinks=sinks,
+              return_lse=return_lse)
+    if cu_seqlens_q is None:
+        # keys[b, j] = key_cache[table[b, j // page_size], j % page_size]: [B, extent, ...]
+        j = jnp.arange(extent)
+        pages = table[:, j // page_size]  # [B, extent]
+        return reference(query, key_cache[pages, j % page_size],
+                         value_cache[pages, j % page_size], n, **kw)
+    # Packed keys: sequence b's n[b] keys at rows cu_k[b]:cu_k[b+1] of a [B * extent] buffer,
+    # read one by one; the rows past cu_k[-1] are zero (no sequence's).
+    cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n)])
+    rows = jnp.arange(table.shape[0] * extent)
+    seq = jnp.minimum(jnp.searchsorted(cu_k[1:], rows, side="right"), table.shape[0] - 1)
+    pos = jnp.clip(rows - cu_k[seq], 0, extent - 1)
+    real = (rows < cu_k[-1]).reshape((-1,) + (1,) * (key_cache.ndim - 2))
+    pages = table[seq, pos // page_size]
+    key = jnp.where(real, key_cache[pages, pos % page_size], 0)
+    value = jnp.where(real, value_cache[pages, pos % page_size], 0)
+    return packed_reference(query, key, value, cu_seqlens_q, cu_k, **kw)

@@ -1,5 +1,5 @@
-"""The Python examples of the README and docs/semantics.md run as written and check their own
-results; the documented signatures are the real ones."""
+"""The Python examples of the README, docs/semantics.md and docs/paged.md run as written and
+check their own results; the documented signatures are the real ones."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import jax_varlen
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/semantics.md")
+DOCS = ("README.md", "docs/semantics.md", "docs/paged.md")
 
 
 def _blocks(text: str, lang: str) -> list[str]:
