@@ -33,14 +33,57 @@ inline ffi::Unexpected<ffi::Error> bad_argument(const std::string& what) {
   return ffi::Unexpected(ffi::Error::InvalidArgument("jax_varlen: " + what));
 }
 
+// The static attributes of a call, the same for every handler (forward and backward, CPU and
+// CUDA, padded and packed):
+//   scale (f32): multiplies <q, k>;  is_causal (bool): tail-aligned causal mask;
+//   softcap (f32): 0 = off;
+//   max_seqlen_q, max_seqlen_k (i64): the packed layout only: the longest query and key runs;
+//   window_left, window_right (i64): optional, the local window's sides (mask.h, MaskSpec),
+//     -1 = that side unbounded, and -1 when absent.
+// The handlers bind them as one dictionary (Bind().Attrs()): XLA FFI binds named attributes
+// only when a call carries exactly those, and calls lowered before the window existed (issue
+// 34: serialized exports, direct callers of the targets) carry no window_left/right.
+struct CallAttrs {
+  float scale = 0.0f;
+  bool is_causal = false;
+  float softcap = 0.0f;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  int64_t window_left = -1, window_right = -1;
+};
+
+template <typename T>
+ffi::Error read_attr(const ffi::Dictionary& attrs, const char* name, bool required, T* value) {
+  if (!attrs.contains(name))
+    return required ? ffi::Error::InvalidArgument(std::string("jax_varlen: missing attribute ") + name)
+                    : ffi::Error::Success();
+  auto v = attrs.get<T>(name);
+  if (!v) return ffi::Error::InvalidArgument(std::string("jax_varlen: attribute ") + name + ": " +
+                                             v.error().message());
+  *value = *v;
+  return ffi::Error::Success();
+}
+
+inline ffi::ErrorOr<CallAttrs> read_attrs(const ffi::Dictionary& attrs, bool packed) {
+  CallAttrs a;
+  for (ffi::Error err : {read_attr(attrs, "scale", true, &a.scale),
+                         read_attr(attrs, "is_causal", true, &a.is_causal),
+                         read_attr(attrs, "softcap", true, &a.softcap),
+                         read_attr(attrs, "max_seqlen_q", packed, &a.max_seqlen_q),
+                         read_attr(attrs, "max_seqlen_k", packed, &a.max_seqlen_k),
+                         read_attr(attrs, "window_left", false, &a.window_left),
+                         read_attr(attrs, "window_right", false, &a.window_right)})
+    if (err.failure()) return ffi::Unexpected(err);
+  return a;
+}
+
 // What both layouts share: query [N, Sq, H, D], key [N, Skv, Hkv, D], value [N, Skv, Hkv, Dv],
 // out [N, Sq, H, Dv] (dense, last dim contiguous), lse [N, H, Sq], the attributes, and every
 // check between them. N is the batch (padded) or the packs (packed, with Sq = Tq and Skv = Tk);
 // make_params and make_packed_params then say how N splits into sequences.
 inline ffi::ErrorOr<AttentionParams> make_dense_params(ffi::AnyBuffer query, ffi::AnyBuffer key,
                                                        ffi::AnyBuffer value, ffi::AnyBuffer out,
-                                                       ffi::Buffer<ffi::F32> lse, float scale,
-                                                       bool is_causal, float softcap) {
+                                                       ffi::Buffer<ffi::F32> lse,
+                                                       const CallAttrs& attrs) {
   const auto qd = query.dimensions(), kd = key.dimensions(), vd = value.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
     return bad_argument("query, key and value must have rank 4, got " + dims_string(qd) + ", " +
@@ -78,9 +121,11 @@ inline ffi::ErrorOr<AttentionParams> make_dense_params(ffi::AnyBuffer query, ffi
   p.out_head_stride = p.head_dim_v;
   p.out_row_stride = p.num_heads * p.out_head_stride;
   p.out_batch_stride = p.pack_rows_q * p.out_row_stride;
-  p.scale = scale;
-  p.softcap = softcap;
-  p.is_causal = is_causal;
+  p.scale = attrs.scale;
+  p.softcap = attrs.softcap;
+  p.is_causal = attrs.is_causal;
+  p.window_left = attrs.window_left;
+  p.window_right = attrs.window_right;
 
   if (kd[0] != p.num_packs || vd[0] != p.num_packs)
     return bad_argument("leading extents differ: query " + dims_string(qd) + ", key " +
@@ -99,7 +144,10 @@ inline ffi::ErrorOr<AttentionParams> make_dense_params(ffi::AnyBuffer query, ffi
     return bad_argument("out has shape " + dims_string(od));
   if (ld.size() != 3 || ld[0] != p.num_packs || ld[1] != p.num_heads || ld[2] != p.pack_rows_q)
     return bad_argument("lse has shape " + dims_string(ld));
-  if (!(softcap >= 0.0f)) return bad_argument("softcap must be >= 0");
+  if (!(p.softcap >= 0.0f)) return bad_argument("softcap must be >= 0");
+  if (p.window_left < -1 || p.window_right < -1)
+    return bad_argument("window_left " + std::to_string(p.window_left) + " and window_right " +
+                        std::to_string(p.window_right) + " must be >= 0, or -1 for no bound");
   return p;
 }
 
@@ -109,8 +157,8 @@ inline ffi::ErrorOr<AttentionParams> make_dense_params(ffi::AnyBuffer query, ffi
 inline ffi::ErrorOr<AttentionParams> make_params(
     ffi::AnyBuffer query, ffi::AnyBuffer key, ffi::AnyBuffer value,
     ffi::Buffer<ffi::S32> nonpad_kv_seqlen, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse,
-    float scale, bool is_causal, float softcap) {
-  auto params = make_dense_params(query, key, value, out, lse, scale, is_causal, softcap);
+    const CallAttrs& attrs) {
+  auto params = make_dense_params(query, key, value, out, lse, attrs);
   if (!params) return params;
   AttentionParams& p = *params;
   p.nonpad_kv_seqlen = nonpad_kv_seqlen.typed_data();
@@ -132,9 +180,8 @@ inline ffi::ErrorOr<AttentionParams> make_params(
 inline ffi::ErrorOr<AttentionParams> make_packed_params(
     ffi::AnyBuffer query, ffi::AnyBuffer key, ffi::AnyBuffer value,
     ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> cu_seqlens_k, ffi::AnyBuffer out,
-    ffi::Buffer<ffi::F32> lse, float scale, bool is_causal, float softcap, int64_t max_seqlen_q,
-    int64_t max_seqlen_k) {
-  auto params = make_dense_params(query, key, value, out, lse, scale, is_causal, softcap);
+    ffi::Buffer<ffi::F32> lse, const CallAttrs& attrs) {
+  auto params = make_dense_params(query, key, value, out, lse, attrs);
   if (!params) return params;
   AttentionParams& p = *params;
   const auto cq = cu_seqlens_q.dimensions(), ck = cu_seqlens_k.dimensions();
@@ -143,6 +190,7 @@ inline ffi::ErrorOr<AttentionParams> make_packed_params(
     return bad_argument("cu_seqlens_q " + dims_string(cq) + " and cu_seqlens_k " + dims_string(ck) +
                         " must both be [N, B + 1] with N = " + std::to_string(p.num_packs) +
                         " (the packs of query " + dims_string(query.dimensions()) + ")");
+  const int64_t max_seqlen_q = attrs.max_seqlen_q, max_seqlen_k = attrs.max_seqlen_k;
   if (max_seqlen_q < 0 || max_seqlen_q > p.pack_rows_q || max_seqlen_k < 0 ||
       max_seqlen_k > p.pack_rows_k)
     return bad_argument("max_seqlen_q " + std::to_string(max_seqlen_q) + " and max_seqlen_k " +

@@ -229,7 +229,96 @@ def check_lengths(name: str, lengths, batch: int, extent: int, extent_name: str)
     return jnp.clip(lengths, -1, extent + 1).astype(jnp.int32)
 
 
-def make_config(head_dim: int, scale, is_causal, softcap) -> AttentionConfig:
+# A window side at least this large is unbounded for any buffer (and stays far from int64
+# overflow in the kernels' index math): larger ones are taken as this one, the same mask.
+_MAX_WINDOW = 2**62
+
+
+def _window_side(value, given) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"local_window_size must be None, an int >= 0 or a pair (left, right) of ints >= 0, "
+            f"got {given!r}")
+    if value < 0:
+        raise ValueError(
+            f"local_window_size must be >= 0 (jax.nn's convention: an int w or a pair "
+            f"(left, right)), got {given!r}")
+    return min(int(value), _MAX_WINDOW)
+
+
+def check_window(local_window_size) -> tuple[int, int]:
+    """``local_window_size`` (``None``, an int ``w`` meaning ``(w, w)``, or a pair ``(left,
+    right)`` of ints >= 0, as in ``jax.nn.dot_product_attention``) -> ``(window_left,
+    window_right)`` of :class:`AttentionConfig`, ``(-1, -1)`` for no window."""
+    if local_window_size is None:
+        return -1, -1
+    check_static("local_window_size", local_window_size)
+    if isinstance(local_window_size, (tuple, list)):
+        if len(local_window_size) != 2:
+            raise ValueError(
+                f"local_window_size must be an int or a pair (left, right), got "
+                f"{local_window_size!r} (length {len(local_window_size)})")
+        for side in local_window_size:
+            check_static("local_window_size", side)
+        return tuple(_window_side(side, local_window_size) for side in local_window_size)
+    side = _window_side(local_window_size, local_window_size)
+    return side, side
+
+
+def check_sinks(sinks, num_heads: int):
+    """``sinks``: ``None`` or a float array ``[H]`` (one logit per query head; lists and NumPy
+    arrays too), returned as float32."""
+    if sinks is None:
+        return None
+    if isinstance(sinks, (list, tuple)):
+        sinks = np.asarray(sinks)
+    check_array("sinks", sinks)
+    sinks = canonical(sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks must be a float array [H], got {dtype_name(sinks.dtype)}")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(
+            f"sinks must have shape [H] = ({num_heads},) (one logit per query head), got "
+            f"{tuple(sinks.shape)}")
+    return sinks.astype(jnp.float32)
+
+
+def with_sinks(out, lse, sinks, real_rows=None):
+    """The op's ``(out, lse)`` with one more logit per query head in every real row's softmax
+    denominator (attention sinks, gpt-oss), from the primitive's results without it:
+
+      lse = log(exp(lse0) + exp(sinks[h])),   out = out0 * exp(lse0 - lse)
+
+    A real row with no allowed key (``lse0 = -inf``, ``out0 = 0``) gets ``lse = sinks[h]`` and
+    stays zero; rows that are no rows (``real_rows`` False: padded query rows, packed rows no
+    sequence owns) keep ``lse = -inf``. Every ``exp`` and ``log`` sees finite arguments on the
+    branch a row takes (the ``where``s select, never multiply), so the forward and the
+    gradients (through the primitive's backward, which takes the ``lse`` cotangent, and to
+    ``sinks``: ``d_sinks[h] = -sum_rows exp(sinks[h] - lse) * delta``) are NaN-free wherever
+    the data is finite.
+
+    out: ``[N, Sq, H, Dv]``; lse: float32 ``[N, H, Sq]``; sinks: float32 ``[H]``; real_rows:
+    ``None`` (every row) or bool broadcastable to lse's shape.
+
+    A composition on the primitive's results, so it serves every backend at once; the plan for
+    the GPU's cost target (<= 3% over no sinks) is to fuse it into the kernels' epilogue (one
+    more term in the softmax denominator, no extra pass over out), issue 34.
+    """
+    sink = sinks[:, None]  # [H, 1]: broadcasts over lse's [N, H, Sq]
+    empty = lse == -jnp.inf
+    lse0 = jnp.where(empty, sink, lse)  # finite on the branch empty rows do not take
+    top = jax.lax.stop_gradient(jnp.maximum(lse0, sink))
+    mixed = top + jnp.log(jnp.exp(lse0 - top) + jnp.exp(sink - top))
+    lse_real = jnp.where(empty, sink, mixed)
+    factor = jnp.where(empty, 0.0, jnp.exp(lse0 - lse_real))  # [N, H, Sq], in [0, 1]
+    out = (out.astype(jnp.float32) * jnp.swapaxes(factor, 1, 2)[..., None]).astype(out.dtype)
+    if real_rows is not None:
+        lse_real = jnp.where(real_rows, lse_real, -jnp.inf)
+    return out, lse_real
+
+
+def make_config(head_dim: int, scale, is_causal, softcap,
+                local_window_size=None) -> AttentionConfig:
     for name, value in (("scale", scale), ("softcap", softcap)):
         check_static(name, value)
     if scale is None:
@@ -243,7 +332,9 @@ def make_config(head_dim: int, scale, is_causal, softcap) -> AttentionConfig:
         raise TypeError(f"softcap must be a Python float, got {type(softcap).__name__}")
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite value >= 0 (0 = off), got {softcap}")
-    return AttentionConfig(scale=float(scale), is_causal=bool(is_causal), softcap=float(softcap))
+    window_left, window_right = check_window(local_window_size)
+    return AttentionConfig(scale=float(scale), is_causal=bool(is_causal), softcap=float(softcap),
+                           window_left=window_left, window_right=window_right)
 
 
 def attention(
@@ -258,6 +349,8 @@ def attention(
     scale=None,
     is_causal=False,
     softcap=0.0,
+    local_window_size=None,
+    sinks=None,
     return_lse=False,
 ):
     """Attention over a padded ragged batch that spends no compute on padding.
@@ -286,17 +379,29 @@ def attention(
         ``nonpad_q_seqlen=nonpad_kv_seqlen``, or its short sequences' rows are shifted.
       softcap: ``0`` is off; otherwise scores become ``softcap * tanh(s / softcap)`` before
         masking (Gemma 2 style).
+      local_window_size: ``None`` (default: no window), an int ``w`` meaning ``(w, w)``, or a
+        pair ``(left, right)`` of ints >= 0 (``jax.nn``'s convention), around each query's
+        tail-aligned position ``p = i + n_b - n_q[b]``: key ``j`` is allowed iff
+        ``p - left <= j <= p + right`` (and ``j <= p`` when causal, ``j < n_b`` always). Key
+        blocks outside the window cost no compute. CPU only for now: the CUDA kernels raise
+        (issue 34).
+      sinks: optional float ``[H]``, one logit per query head (gpt-oss attention sinks): every
+        real row's softmax denominator gains ``exp(sinks[h])``, so ``lse = log(exp(sinks[h]) +
+        sum_j exp(s_j))`` over the allowed keys and ``out = sum_j exp(s_j - lse) v_j``; a real
+        row with no allowed key gives zeros and ``lse = sinks[h]``. Differentiable (an
+        ordinary, possibly traced, array); every backend.
       return_lse: also return the float32 log-sum-exp ``[B, H, Sq]`` (natural log).
 
-    ``num_heads``, ``kv_num_heads``, ``scale``, ``is_causal``, ``softcap`` and ``return_lse``
-    are static: under ``jax.jit`` pass them through ``static_argnames`` or
-    ``functools.partial``.
+    ``num_heads``, ``kv_num_heads``, ``scale``, ``is_causal``, ``softcap``,
+    ``local_window_size`` and ``return_lse`` are static: under ``jax.jit`` pass them through
+    ``static_argnames`` or ``functools.partial``.
 
     Returns:
       ``out`` ``[B, Sq, H, Dv]`` with the rank and dtype of ``query`` (``[B, Sq, H*Dv]`` for
       rank 3); with ``return_lse`` the pair ``(out, lse)``. Padded query rows and rows with
-      no allowed key (``n_b = 0``, or the leading ``n_q[b] - n_b`` rows under causal) are zero, with lse
-      ``-inf``: decided by the count of allowed keys, never by the values. A row that allows a
+      no allowed key (``n_b = 0``, the leading ``n_q[b] - n_b`` rows under causal, rows whose
+      window holds no key) are zero, with lse ``-inf`` (``sinks[h]`` for a real row with
+      sinks): decided by the count of allowed keys, never by the values. A row that allows a
       NaN or Inf (in its query or an allowed key or value) gives what the math gives (NaN).
 
     Raises:
@@ -312,8 +417,10 @@ def attention(
     check_shapes(query, key, value)
     B, Sq, Skv = query.shape[0], query.shape[1], key.shape[1]
     lengths = check_lengths("nonpad_kv_seqlen", nonpad_kv_seqlen, B, Skv, "Skv")
-    config = make_config(query.shape[3], scale, is_causal, softcap)
+    config = make_config(query.shape[3], scale, is_causal, softcap, local_window_size)
     return_lse = check_flag("return_lse", return_lse)
+    sinks = check_sinks(sinks, query.shape[2])
+    real_rows = None  # lse-shaped [B, 1, Sq]: the real query rows (None: all)
     if nonpad_q_seqlen is None:
         out, lse = attention_with_grad(query, key, value, lengths, config)
     else:
@@ -328,6 +435,9 @@ def attention(
         out, lse = packed_attention_with_grad(
             query, key, value, jnp.stack([zero, q_lengths], axis=1),
             jnp.stack([zero, lengths], axis=1), config)
+        real_rows = (jnp.arange(Sq)[None, :] < q_lengths[:, None])[:, None, :]
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks, real_rows)
     if rank == 3:
         out = out.reshape(out.shape[:2] + (-1,))
     return (out, lse) if return_lse else out

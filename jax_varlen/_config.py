@@ -19,6 +19,9 @@ class AttentionConfig:
       padded_lengths: the packed primitive serves :func:`jax_varlen.attention` with
         ``nonpad_q_seqlen``: every pack is one padded sequence, its offsets ``[0, n_q]`` and
         ``[0, n_kv]``; checks then name those arguments (``_checkify.py``).
+      window_left, window_right: the local window (``local_window_size``) around each query's
+        tail-aligned position ``p``: keys ``p - window_left .. p + window_right``; ``-1`` leaves
+        that side unbounded (both ``-1``: no window). ffi/mask.h, ``MaskSpec``.
     """
 
     scale: float
@@ -27,3 +30,5 @@ class AttentionConfig:
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
     padded_lengths: bool = False
+    window_left: int = -1
+    window_right: int = -1

@@ -15,11 +15,13 @@ from jax_varlen._api import (
     check_array,
     check_flag,
     check_shapes,
+    check_sinks,
     check_static,
     check_static_dims,
     dtype_name,
     make_config,
     split_or_check_heads,
+    with_sinks,
 )
 from jax_varlen._autodiff import packed_attention_with_grad
 
@@ -128,6 +130,8 @@ def packed_attention(
     scale=None,
     is_causal=False,
     softcap=0.0,
+    local_window_size=None,
+    sinks=None,
     return_lse=False,
 ):
     """Attention over sequences packed back to back, with no padding at all.
@@ -152,11 +156,19 @@ def packed_attention(
       num_heads, kv_num_heads, scale, softcap: as for :func:`attention`.
       is_causal: tail-aligned per sequence: query ``i`` of sequence ``b`` sees key ``j`` iff
         ``j <= i + len_k - len_q`` (``len = cu[b+1] - cu[b]``).
+      local_window_size: as for :func:`attention`, per sequence: ``None``, an int ``w``
+        (``(w, w)``) or a pair ``(left, right)`` of ints >= 0 around query ``i``'s position
+        ``p = i + len_k - len_q``: key ``j`` is allowed iff ``p - left <= j <= p + right``.
+        CPU only for now (the CUDA kernels raise, issue 34).
+      sinks: as for :func:`attention`: optional float ``[H]``, one logit per query head in
+        the softmax denominator of every row a sequence owns (a row with no allowed key: zeros,
+        ``lse = sinks[h]``; rows past ``cu_seqlens_q[-1]`` keep ``lse = -inf``).
       return_lse: also return the float32 log-sum-exp ``[H, Tq]`` (FlashAttention's varlen
         layout; natural log).
 
-    The hints, ``num_heads``, ``kv_num_heads``, ``scale``, ``is_causal``, ``softcap`` and
-    ``return_lse`` are static; the offsets may be traced.
+    The hints, ``num_heads``, ``kv_num_heads``, ``scale``, ``is_causal``, ``softcap``,
+    ``local_window_size`` and ``return_lse`` are static; the offsets and ``sinks`` may be
+    traced.
 
     Returns:
       ``out`` ``[Tq, H, Dv]`` with the rank and dtype of ``query`` (``[Tq, H*Dv]`` for rank 2);
@@ -182,14 +194,17 @@ def packed_attention(
             f"offset per sequence boundary), got {tuple(cu_k.shape)}"
         )
     config = dataclasses.replace(
-        make_config(query.shape[2], scale, is_causal, softcap),
+        make_config(query.shape[2], scale, is_causal, softcap, local_window_size),
         max_seqlen_q=_resolve_hint("max_seqlen_q", max_seqlen_q, Tq, "Tq", "cu_seqlens_q", cu_q),
         max_seqlen_k=_resolve_hint("max_seqlen_k", max_seqlen_k, Tk, "Tk", "cu_seqlens_k", cu_k),
     )
     return_lse = check_flag("return_lse", return_lse)
+    sinks = check_sinks(sinks, query.shape[1])
     # One pack (the leading axis of the primitive, ffi/params.h): [1, Tq, H, D] and so on.
     out, lse = packed_attention_with_grad(query[None], key[None], value[None], cu_q[None],
                                           cu_k[None], config)
+    if sinks is not None:  # the rows a sequence owns: [0, cu_seqlens_q[-1])
+        out, lse = with_sinks(out, lse, sinks, jnp.arange(Tq) < cu_q[-1])
     out, lse = out[0], lse[0]
     if rank == 2:
         out = out.reshape(out.shape[:1] + (-1,))

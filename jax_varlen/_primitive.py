@@ -107,7 +107,8 @@ for _p in (attention_fwd_p, packed_attention_fwd_p):
 
 def ffi_attrs(config: AttentionConfig):
     """The FFI attributes of a call (the forward's and the backward's): scale, is_causal,
-    softcap, and for the packed layout max_seqlen_q and max_seqlen_k."""
+    softcap, for the packed layout max_seqlen_q and max_seqlen_k, then window_left and
+    window_right (-1: that side of the local window unbounded)."""
     attrs = dict(
         scale=np.float32(config.scale),
         is_causal=bool(config.is_causal),
@@ -116,6 +117,8 @@ def ffi_attrs(config: AttentionConfig):
     if config.max_seqlen_q is not None:
         attrs.update(max_seqlen_q=np.int64(config.max_seqlen_q),
                      max_seqlen_k=np.int64(config.max_seqlen_k))
+    attrs.update(window_left=np.int64(config.window_left),
+                 window_right=np.int64(config.window_right))
     return attrs
 
 

@@ -255,3 +255,70 @@ def test_numpy_float64_with_x64_is_rejected():
         k = v = np.zeros((B, SKV, HKV, D))
         with pytest.raises(TypeError, match=r"query must be float32, float16 or bfloat16, got float64"):
             jax_varlen.attention(q, k, v, np.asarray([SKV, 3]))
+
+
+# --------------------------------------------------------------------------------------------
+# local_window_size and sinks (issue 34): each error names the argument and the given value.
+
+
+@pytest.mark.parametrize(
+    "window, exc, match",
+    [
+        (-1, ValueError, r"local_window_size must be >= 0 .*got -1"),
+        ((4, -2), ValueError, r"local_window_size must be >= 0 .*got \(4, -2\)"),
+        ((1, 2, 3), ValueError, r"local_window_size must be an int or a pair \(left, right\), "
+                                r"got \(1, 2, 3\) \(length 3\)"),
+        ([5], ValueError, r"local_window_size must be an int or a pair .*got \[5\] \(length 1\)"),
+        (2.5, TypeError, r"local_window_size must be None, an int >= 0 or a pair .*got 2\.5"),
+        (True, TypeError, r"local_window_size must be None, an int >= 0 or a pair .*got True"),
+        ((1, "2"), TypeError, r"local_window_size must be None, an int >= 0 .*got \(1, '2'\)"),
+    ],
+    ids=["negative", "pair-negative", "pair-of-three", "list-of-one", "float", "bool",
+         "pair-with-str"],
+)
+def test_bad_local_window_size(window, exc, match):
+    with pytest.raises(exc, match=match):
+        jax_varlen.attention(*_good(), local_window_size=window)
+    q, k, v = (x[0] for x in _good()[:3])
+    with pytest.raises(exc, match=match):
+        jax_varlen.packed_attention(q, k, v, jnp.asarray([0, 3]), jnp.asarray([0, 4]),
+                                    local_window_size=window)
+
+
+def test_traced_local_window_size_says_static_argnames():
+    args = _good()
+    with pytest.raises(TypeError, match=r"local_window_size must be a static Python value.*"
+                                        r"static_argnames"):
+        jax.jit(lambda w: jax_varlen.attention(*args, local_window_size=w))(3)
+    with pytest.raises(TypeError, match=r"local_window_size must be a static Python value"):
+        jax.jit(lambda w: jax_varlen.attention(*args, local_window_size=(w, 2)))(3)
+
+
+@pytest.mark.parametrize(
+    "sinks, exc, match",
+    [
+        (jnp.zeros((H + 1,)), ValueError, r"sinks must have shape \[H\] = \(4,\) .*got \(5,\)"),
+        (jnp.zeros((1, H)), ValueError, r"sinks must have shape \[H\] = \(4,\) .*got \(1, 4\)"),
+        (jnp.zeros((), jnp.float32), ValueError, r"sinks must have shape \[H\] = \(4,\).*got \(\)"),
+        (jnp.zeros((H,), jnp.int32), TypeError, r"sinks must be a float array \[H\], got int32"),
+        ("no", TypeError, r"sinks must be an array, got str"),
+    ],
+    ids=["too-long", "2d", "scalar", "int", "str"],
+)
+def test_bad_sinks(sinks, exc, match):
+    with pytest.raises(exc, match=match):
+        jax_varlen.attention(*_good(), sinks=sinks)
+    q, k, v = (x[0] for x in _good()[:3])
+    with pytest.raises(exc, match=match):
+        jax_varlen.packed_attention(q, k, v, jnp.asarray([0, 3]), jnp.asarray([0, 4]), sinks=sinks)
+    if not isinstance(sinks, str):  # traced: the same check, at trace time
+        with pytest.raises(exc, match=match):
+            jax.jit(lambda s: jax_varlen.attention(*_good(), sinks=s)).trace(sinks)
+
+
+def test_sinks_as_a_list_and_float16():
+    want = jax_varlen.attention(*_good(), sinks=jnp.asarray([0.5, -1.0, 0.0, 2.0]))
+    for s in ([0.5, -1.0, 0.0, 2.0], np.asarray([0.5, -1.0, 0.0, 2.0]),
+              jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float16)):
+        assert np.asarray(jax_varlen.attention(*_good(), sinks=s)).tobytes() == \
+            np.asarray(want).tobytes()

@@ -32,35 +32,40 @@ struct Scratch {
 // One online-softmax step over the keys j0 + j, j < step, of query rows r < rows_ld (columns of
 // s, row stride ld, a multiple of 8): on entry s[j * ld + r] = <k_j, q_r>; on exit it holds
 // row r's weight of key j0 + j, exp(x - m_r) with x the scaled (and capped) score and m_r the
-// running max, or exactly 0 where the key is not allowed (j0 + j >= limit[r]). m, l and
-// alpha are per row: running max and sum, rescaled here, and alpha the factor the row's
-// accumulator must take (1 for a row that sees no key in the step: it is left as it was).
+// running max, or exactly 0 where the key is not allowed (outside [begin[r], limit[r]), by a
+// select). m, l and alpha are per row: running max and sum, rescaled here, and alpha the
+// factor the row's accumulator must take (1 for a row that sees no key in the step: it is
+// left as it was).
 void softmax_step(const AttentionParams& p, int64_t rows_ld, int64_t step, int64_t j0,
-                  const int32_t* limit, float* s, int64_t ld, float* m, float* l,
-                  float* alpha) {
+                  const int32_t* begin, const int32_t* limit, float* s, int64_t ld, float* m,
+                  float* l, float* alpha) {
   const float scale = p.scale, cap = p.softcap;
   const float minus_inf = -std::numeric_limits<float>::infinity();
 #if defined(JV_VECTOR_EXP)
   // Eight rows per vector; keys that are not allowed become -inf (max) and exactly 0 (weights,
   // sum) by selects, never by arithmetic on what the products gave.
   for (int64_t r = 0; r < rows_ld; r += 8) {
-    i32x8 lim;
+    i32x8 beg, lim;
+    std::memcpy(&beg, begin + r, sizeof beg);
     std::memcpy(&lim, limit + r, sizeof lim);
     f32x8 vmax = splat8(minus_inf);
     for (int64_t j = 0; j < step; ++j) {
       f32x8 x = load8(s + j * ld + r) * splat8(scale);
       if (cap > 0.0f) x = splat8(cap) * tanh8(x / splat8(cap));
-      x = int32_t(j0 + j) < lim ? x : splat8(minus_inf);
+      const int32_t key = int32_t(j0 + j);
+      x = (beg <= key) & (key < lim) ? x : splat8(minus_inf);
       store8(s + j * ld + r, x);
       vmax = vmax < x ? x : vmax;
     }
-    const i32x8 any = int32_t(j0) < lim;
+    // Rows whose allowed keys meet [j0, j0 + step) (begin < limit for every row here).
+    const i32x8 any = (beg < int32_t(j0 + step)) & (int32_t(j0) < lim);
     const f32x8 m_old = load8(m + r);
     const f32x8 m_new = any ? (m_old < vmax ? vmax : m_old) : m_old;
     f32x8 sum = splat8(0.0f);
     for (int64_t j = 0; j < step; ++j) {
       const f32x8 e = exp_nonpositive8(load8(s + j * ld + r) - m_new);
-      const f32x8 w = int32_t(j0 + j) < lim ? e : splat8(0.0f);
+      const int32_t key = int32_t(j0 + j);
+      const f32x8 w = (beg <= key) & (key < lim) ? e : splat8(0.0f);
       store8(s + j * ld + r, w);
       sum += w;
     }
@@ -72,10 +77,11 @@ void softmax_step(const AttentionParams& p, int64_t rows_ld, int64_t step, int64
 #else
   for (int64_t r = 0; r < rows_ld; ++r) {
     alpha[r] = 1.0f;
+    const int64_t start = std::clamp<int64_t>(begin[r] - j0, 0, step);
     const int64_t count = std::clamp<int64_t>(limit[r] - j0, 0, step);
-    if (count == 0) continue;
+    if (count <= start) continue;
     float step_max = minus_inf;
-    for (int64_t j = 0; j < count; ++j) {
+    for (int64_t j = start; j < count; ++j) {
       float x = s[j * ld + r] * scale;
       if (cap > 0.0f) x = cap * std::tanh(x / cap);
       s[j * ld + r] = x;
@@ -84,7 +90,7 @@ void softmax_step(const AttentionParams& p, int64_t rows_ld, int64_t step, int64
     const float m_new = std::max(m[r], step_max);
     float sum = 0.0f;
     for (int64_t j = 0; j < step; ++j) {
-      const float w = j < count ? exp_nonpositive(s[j * ld + r] - m_new) : 0.0f;
+      const float w = start <= j && j < count ? exp_nonpositive(s[j * ld + r] - m_new) : 0.0f;
       s[j * ld + r] = w;
       sum += w;
     }
@@ -102,7 +108,9 @@ void softmax_step(const AttentionParams& p, int64_t rows_ld, int64_t step, int64
 // loaded once per head and reused by every step):
 //   score_t [step, rows_ld]  = key [step, D] x query_t [D, rows_ld]
 //   score_t -> weights (softmax_step); acc rows times alpha
-//   acc [rows, Dvp]         += weights^T [rows, step] x value [step, Dvp], row r to its limit
+//   acc [rows, Dvp]         += weights^T [rows, step] x value [step, Dvp], row r over its keys
+// The steps cover the keys some row of the block may see (mask.h, key_range of the block),
+// from its first one: key blocks outside a local window are never visited.
 template <typename T>
 void run_item(const AttentionParams& p, int64_t item) {
   const int64_t Hkv = p.kv_num_heads, D = p.head_dim, Dv = p.head_dim_v;
@@ -111,29 +119,38 @@ void run_item(const AttentionParams& p, int64_t item) {
   const int64_t g = (item / blocks) % Hkv;
   const SeqlenInfo seq(p, item / blocks / Hkv);
   const int64_t Sq = seq.seqlen_q, n = seq.seqlen_k;
+  const MaskSpec mask = p.mask();
   const int64_t i0 = block * kRowsPerItem, i1 = std::min(Sq, i0 + kRowsPerItem);
   if (i0 >= i1) return;
-  // Under causal the leading rows may see no key: rows [i0, i0 + first) are written as empty
-  // and left out of the products (limit grows with the row).
+  // The rows that see no key are leading ones (a row's key range only grows with the row and
+  // is empty only while it ends at or before key 0): rows [i0, i0 + first) are written as
+  // empty and left out of the products.
   int64_t first = 0;
-  while (i0 + first < i1 && allowed_keys(i0 + first, n, Sq, p.is_causal) == 0) ++first;
+  while (i0 + first < i1 && key_range(mask, i0 + first, n, Sq).empty()) ++first;
   const int64_t rows = i1 - i0 - first, rows_ld = round_up(rows, kLanes);
-  const int64_t keys = allowed_keys(i1 - 1, n, Sq, p.is_causal);  // the most any row here sees
-  int32_t limit[kRowsPerItem];  // allowed keys of row i0 + first + r; 0 for r >= rows
-  int64_t count[kRowsPerItem];  // ... of them in the current step
-  for (int64_t r = 0; r < rows_ld; ++r)
-    limit[r] = r < rows ? int32_t(allowed_keys(i0 + first + r, n, Sq, p.is_causal)) : 0;
+  // Keys [kb, ke): those some row of the block may see.
+  const Range block_keys = key_range(mask, i0 + first, i1, n, Sq);
+  const int64_t kb = block_keys.begin, keys = block_keys.end - kb;
+  int32_t begin[kRowsPerItem], limit[kRowsPerItem];  // allowed keys [begin, limit) of row
+                                                     // i0 + first + r, relative to kb; empty
+                                                     // ([0, 0)) for r >= rows
+  int64_t start[kRowsPerItem], count[kRowsPerItem];  // ... of them in the current step
+  for (int64_t r = 0; r < rows_ld; ++r) {
+    const Range k = r < rows ? key_range(mask, i0 + first + r, n, Sq) : Range{kb, kb};
+    begin[r] = int32_t(k.begin - kb);
+    limit[r] = int32_t(k.end - kb);
+  }
 
   thread_local Scratch w;
   const int64_t Dvp = round_up(Dv, kLanes);
   ensure(w.query_t, D * rows_ld);
   ensure(w.score_t, kKeys * rows_ld);
   ensure(w.acc, rows * Dvp);
-  // Only the allowed keys of this kv head are read (padding never), once for the group.
+  // Only the keys [kb, ke) of this kv head are read (padding never), once for the group.
   int64_t key_ld, value_ld;
-  const float* key = rows_as_float(static_cast<const T*>(p.k) + seq.k_index(p, 0, g),
+  const float* key = rows_as_float(static_cast<const T*>(p.k) + seq.k_index(p, kb, g),
                                    p.k_row_stride, keys, D, D, w.key, &key_ld);
-  const float* value = rows_as_float(static_cast<const T*>(p.v) + seq.v_index(p, 0, g),
+  const float* value = rows_as_float(static_cast<const T*>(p.v) + seq.v_index(p, kb, g),
                                      p.v_row_stride, keys, Dv, Dvp, w.value, &value_ld);
 
   const int64_t group = p.num_heads / Hkv;
@@ -161,14 +178,15 @@ void run_item(const AttentionParams& p, int64_t item) {
       const int64_t step = std::min(kKeys, keys - j0);
       gemm(step, rows_ld, D, key + j0 * key_ld, key_ld, 1, query_t, rows_ld, score_t, rows_ld,
            false);
-      softmax_step(p, rows_ld, step, j0, limit, score_t, rows_ld, m, l, alpha);
+      softmax_step(p, rows_ld, step, j0, begin, limit, score_t, rows_ld, m, l, alpha);
       for (int64_t r = 0; r < rows; ++r) {
+        start[r] = std::clamp<int64_t>(begin[r] - j0, 0, step);
         count[r] = std::clamp<int64_t>(limit[r] - j0, 0, step);
         float* __restrict a = acc + r * Dvp;
         for (int64_t e = 0; e < Dvp; ++e) a[e] *= alpha[r];
       }
       gemm(rows, Dvp, step, score_t, 1, rows_ld, value + j0 * value_ld, value_ld, acc, Dvp,
-           true, count);
+           true, count, start);
     }
 
     // A row is empty by its count of allowed keys (the rows before `first`), never by the

@@ -59,46 +59,54 @@ inline void weights1(float scale, float cap, float lse, float delta, float* s, f
 }
 #endif
 
-// Rows of s are query rows r < rows, columns keys j0 + j, j < cols (a multiple of kLanes).
+// Rows of s are query rows r < rows, columns keys j0 + j, j < cols (a multiple of kLanes);
+// row r's allowed keys are [begin[r], limit[r]).
 void weights_by_rows(const AttentionParams& p, int64_t rows, int64_t cols, int64_t j0,
-                     const int32_t* limit, const float* lse, const float* delta, float* s,
-                     float* dp, int64_t ld) {
+                     const int32_t* begin, const int32_t* limit, const float* lse,
+                     const float* delta, float* s, float* dp, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * ld;
     float* dr = dp + r * ld;
-    const int64_t count = std::clamp<int64_t>(limit[r] - j0, 0, cols);
+    const int64_t start = std::clamp<int64_t>(begin[r] - j0, 0, cols);
+    const int64_t count = std::clamp<int64_t>(limit[r] - j0, start, cols);
 #if defined(JV_VECTOR_EXP)
     for (int64_t j = 0; j < cols; j += 8)
-      weights8(p.scale, p.softcap, lanes_below(j, count), splat8(lse[r]), splat8(delta[r]),
-               sr + j, dr + j);
+      weights8(p.scale, p.softcap, lanes_below(j, count) & ~lanes_below(j, start),
+               splat8(lse[r]), splat8(delta[r]), sr + j, dr + j);
 #else
-    for (int64_t j = 0; j < count; ++j)
+    for (int64_t j = start; j < count; ++j)
       weights1(p.scale, p.softcap, lse[r], delta[r], sr + j, dr + j);
+    std::fill(sr, sr + start, 0.0f);
+    std::fill(dr, dr + start, 0.0f);
     std::fill(sr + count, sr + cols, 0.0f);
     std::fill(dr + count, dr + cols, 0.0f);
 #endif
   }
 }
 
-// Rows of s are keys j0 + j, j < step, columns query rows r < rows_ld (a multiple of kLanes;
-// limit is 0 past the real rows).
+// Rows of s are keys j0 + j, j < step, columns query rows r < rows_ld (a multiple of kLanes);
+// row r's allowed keys are [begin[r], limit[r]) (empty past the real rows).
 void weights_by_keys(const AttentionParams& p, int64_t rows_ld, int64_t step, int64_t j0,
-                     const int32_t* limit, const float* lse, const float* delta, float* s,
-                     float* dp, int64_t ld) {
+                     const int32_t* begin, const int32_t* limit, const float* lse,
+                     const float* delta, float* s, float* dp, int64_t ld) {
 #if defined(JV_VECTOR_EXP)
   for (int64_t r = 0; r < rows_ld; r += 8) {
-    i32x8 lim;
+    i32x8 beg, lim;
+    std::memcpy(&beg, begin + r, sizeof beg);
     std::memcpy(&lim, limit + r, sizeof lim);
     const f32x8 l = load8(lse + r), d = load8(delta + r);
-    for (int64_t j = 0; j < step; ++j)
-      weights8(p.scale, p.softcap, int32_t(j0 + j) < lim, l, d, s + j * ld + r, dp + j * ld + r);
+    for (int64_t j = 0; j < step; ++j) {
+      const int32_t key = int32_t(j0 + j);
+      weights8(p.scale, p.softcap, (beg <= key) & (key < lim), l, d, s + j * ld + r,
+               dp + j * ld + r);
+    }
   }
 #else
   for (int64_t j = 0; j < step; ++j) {
     for (int64_t r = 0; r < rows_ld; ++r) {
       float* sj = s + j * ld + r;
       float* dj = dp + j * ld + r;
-      if (j0 + j < limit[r]) {
+      if (begin[r] <= j0 + j && j0 + j < limit[r]) {
         weights1(p.scale, p.softcap, lse[r], delta[r], sj, dj);
       } else {
         *sj = 0.0f;
@@ -131,16 +139,27 @@ struct Scratch {
   std::vector<float> acc_b;  // d_value transposed [Dv, cols]
 };
 
-// lse, delta and allowed-key counts of query rows [i, i + rows) of head h, into arrays whose
-// entries [rows, ld) get 0 (no key, so their weights are 0).
+// lse and delta of query rows [i, i + rows) of head h, into arrays whose entries [rows, ld)
+// get 0.
 void load_row_stats(const BackwardParams& bp, const SeqlenInfo& seq, int64_t h, int64_t i,
-                    int64_t rows, int64_t ld, float* lse, float* delta, int32_t* limit) {
+                    int64_t rows, int64_t ld, float* lse, float* delta) {
   const AttentionParams& p = bp.fwd;
   for (int64_t r = 0; r < ld; ++r) {
     const bool real = r < rows;
     lse[r] = real ? p.lse[seq.lse_index(p, h, i + r)] : 0.0f;
     delta[r] = real ? bp.delta[seq.lse_index(p, h, i + r)] : 0.0f;
-    limit[r] = real ? int32_t(allowed_keys(i + r, seq.seqlen_k, seq.seqlen_q, p.is_causal)) : 0;
+  }
+}
+
+// The allowed keys [begin[r], limit[r]) of query rows i + r, r < rows (mask.h, key_range),
+// relative to key j0; entries [rows, ld) get [0, 0) (no key, so their weights are 0).
+void load_row_keys(const AttentionParams& p, const SeqlenInfo& seq, int64_t i, int64_t rows,
+                   int64_t ld, int64_t j0, int32_t* begin, int32_t* limit) {
+  const MaskSpec mask = p.mask();
+  for (int64_t r = 0; r < ld; ++r) {
+    const Range k = r < rows ? key_range(mask, i + r, seq.seqlen_k, seq.seqlen_q) : Range{j0, j0};
+    begin[r] = int32_t(k.begin - j0);
+    limit[r] = int32_t(k.end - j0);
   }
 }
 
@@ -175,8 +194,9 @@ void delta_item(const BackwardParams& bp, int64_t item) {
 }
 
 // d_key and d_value of keys [j0, j0 + kKeyBlock) of kv head g: summed over the group's query
-// heads, then over the query rows that see key j0 (all rows; under causal, rows from
-// j0 - n + Sq on), in that order. Keys at or past n (the padding of the sequence's key rows)
+// heads, then over the query rows that may see some key of the block (mask.h, row_range: all
+// rows; under causal, rows from j0 - n + Sq on; in a local window, the rows whose window meets
+// the block), in that order: row blocks outside a window are never visited. Keys at or past n (the padding of the sequence's key rows)
 // get zeros and are never read; blocks past its key rows (a packed batch's items cover the
 // longest sequence) do nothing. Per head and step of kRowStep query rows, the key block is
 // the transposed operand (loaded once per item) and the rows are read in place:
@@ -218,13 +238,14 @@ void dkv_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_
   float* s = w.score.data();
   float* ds = w.d_score.data();
 
-  const int64_t first_row = p.is_causal ? std::max<int64_t>(0, j0 - n + Sq) : 0;
+  const Range block_rows = row_range(p.mask(), j0, j0 + keys, n, Sq);
   for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-    for (int64_t i = first_row; i < Sq; i += kRowStep) {
-      const int64_t rows = std::min(kRowStep, Sq - i);
+    for (int64_t i = block_rows.begin; i < block_rows.end; i += kRowStep) {
+      const int64_t rows = std::min(kRowStep, block_rows.end - i);
       float lse[kRowStep], delta[kRowStep];
-      int32_t limit[kRowStep];
-      load_row_stats(bp, seq, h, i, rows, rows, lse, delta, limit);
+      int32_t begin[kRowStep], limit[kRowStep];  // allowed keys of row i + r
+      load_row_stats(bp, seq, h, i, rows, rows, lse, delta);
+      load_row_keys(p, seq, i, rows, rows, 0, begin, limit);
       int64_t q_ld, o_ld;
       const float* q = rows_as_float(static_cast<const T*>(p.q) + seq.q_index(p, i, h),
                                      p.q_row_stride, rows, D, D, w.query, &q_ld);
@@ -232,7 +253,7 @@ void dkv_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_
                                          p.out_row_stride, rows, Dv, Dv, w.d_out, &o_ld);
       gemm(rows, cols, D, q, q_ld, 1, w.key_t.data(), cols, s, cols, false);
       gemm(rows, cols, Dv, g_out, o_ld, 1, w.value_t.data(), cols, ds, cols, false);
-      weights_by_rows(p, rows, cols, j0, limit, lse, delta, s, ds, cols);
+      weights_by_rows(p, rows, cols, j0, begin, limit, lse, delta, s, ds, cols);
       gemm(Dv, cols, rows, g_out, 1, o_ld, s, cols, acc_v, cols, true);
       gemm(D, cols, rows, q, 1, q_ld, ds, cols, acc_k, cols, true);
     }
@@ -252,7 +273,9 @@ void dkv_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_
 // operand (loaded once per head) and the keys are read in place:
 //   score_t [step, rows_ld] = key [step, D] x query_t [D, rows_ld],   d_score_t = value x d_out_t
 //   -> P, dS (weights_by_keys)
-//   acc [rows, Dp]         += dS [rows, step] x key [step, Dp], row r to its limit
+//   acc [rows, Dp]         += dS [rows, step] x key [step, Dp], row r over its keys
+// The steps cover the keys some row of the block may see (mask.h, key_range of the block),
+// from its first one, as in the forward.
 template <typename T>
 void dq_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t i0) {
   const AttentionParams& p = bp.fwd;
@@ -260,17 +283,20 @@ void dq_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t
   const int64_t Sq = seq.seqlen_q, n = seq.seqlen_k;
   const int64_t i1 = std::min(Sq, i0 + kRowBlock);
   if (i0 >= i1) return;
-  // Under causal the leading rows may see no key: rows [i0, i0 + first) get zeros and are left
-  // out of the products (limit grows with the row).
+  // The rows that see no key are leading ones (as in the forward): rows [i0, i0 + first) get
+  // zeros and are left out of the products.
+  const MaskSpec mask = p.mask();
   int64_t first = 0;
-  while (i0 + first < i1 && allowed_keys(i0 + first, n, Sq, p.is_causal) == 0) ++first;
+  while (i0 + first < i1 && key_range(mask, i0 + first, n, Sq).empty()) ++first;
   const int64_t rows = i1 - i0 - first, rows_ld = round_up(rows, kLanes);
   T* d_q = static_cast<T*>(bp.d_q);
   for (int64_t h = g * G; h < (g + 1) * G; ++h)
     for (int64_t i = i0; i < i0 + first; ++i)
       std::fill(d_q + seq.q_index(p, i, h), d_q + seq.q_index(p, i, h) + D, from_float<T>(0.0f));
   if (rows == 0) return;
-  const int64_t keys = allowed_keys(i1 - 1, n, Sq, p.is_causal);  // the most any row here sees
+  // Keys [kb, kb + keys): those some row of the block may see.
+  const Range block_keys = key_range(mask, i0 + first, i1, n, Sq);
+  const int64_t kb = block_keys.begin, keys = block_keys.end - kb;
 
   thread_local Scratch w;
   const int64_t Dp = round_up(D, kLanes);
@@ -280,13 +306,13 @@ void dq_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t
   ensure(w.d_score, kKeyStep * rows_ld);
   ensure(w.acc_a, rows * Dp);
   // Only the keys some row here may attend to are read (never padding), once for the group.
-  const T* k = static_cast<const T*>(p.k) + seq.k_index(p, 0, g);
+  const T* k = static_cast<const T*>(p.k) + seq.k_index(p, kb, g);
   int64_t key_ld, value_ld;
   const float* key = rows_as_float(k, p.k_row_stride, keys, D, D, w.key, &key_ld);
   int64_t key_p_ld = key_ld;  // the d_query product's operand: columns padded to kLanes
   const float* key_p = key;
   if (Dp != D) key_p = rows_as_float(k, p.k_row_stride, keys, D, Dp, w.key_p, &key_p_ld);
-  const float* value = rows_as_float(static_cast<const T*>(p.v) + seq.v_index(p, 0, g),
+  const float* value = rows_as_float(static_cast<const T*>(p.v) + seq.v_index(p, kb, g),
                                      p.v_row_stride, keys, Dv, Dv, w.value, &value_ld);
 
   float* acc = w.acc_a.data();  // [rows, Dp]
@@ -295,9 +321,10 @@ void dq_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t
   for (int64_t h = g * G; h < (g + 1) * G; ++h) {
     const int64_t i = i0 + first;
     float lse[kRowBlock], delta[kRowBlock];
-    int32_t limit[kRowBlock];
-    int64_t count[kRowBlock];  // allowed keys of row i + r in the current step
-    load_row_stats(bp, seq, h, i, rows, rows_ld, lse, delta, limit);
+    int32_t begin[kRowBlock], limit[kRowBlock];  // allowed keys of row i + r, relative to kb
+    int64_t start[kRowBlock], count[kRowBlock];  // ... of them in the current step
+    load_row_stats(bp, seq, h, i, rows, rows_ld, lse, delta);
+    load_row_keys(p, seq, i, rows, rows_ld, kb, begin, limit);
     load_transposed(static_cast<const T*>(p.q) + seq.q_index(p, i, h), p.q_row_stride, rows, D,
                     w.query_t.data(), rows_ld);
     load_transposed(static_cast<const T*>(bp.d_out) + seq.out_index(p, i, h), p.out_row_stride,
@@ -309,9 +336,13 @@ void dq_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t
            rows_ld, false);
       gemm(step, rows_ld, Dv, value + j0 * value_ld, value_ld, 1, w.d_out_t.data(), rows_ld, ds,
            rows_ld, false);
-      weights_by_keys(p, rows_ld, step, j0, limit, lse, delta, s, ds, rows_ld);
-      for (int64_t r = 0; r < rows; ++r) count[r] = std::clamp<int64_t>(limit[r] - j0, 0, step);
-      gemm(rows, Dp, step, ds, 1, rows_ld, key_p + j0 * key_p_ld, key_p_ld, acc, Dp, true, count);
+      weights_by_keys(p, rows_ld, step, j0, begin, limit, lse, delta, s, ds, rows_ld);
+      for (int64_t r = 0; r < rows; ++r) {
+        start[r] = std::clamp<int64_t>(begin[r] - j0, 0, step);
+        count[r] = std::clamp<int64_t>(limit[r] - j0, 0, step);
+      }
+      gemm(rows, Dp, step, ds, 1, rows_ld, key_p + j0 * key_p_ld, key_p_ld, acc, Dp, true, count,
+           start);
     }
     for (int64_t r = 0; r < rows; ++r) {
       T* dq = d_q + seq.q_index(p, i + r, h);

@@ -29,9 +29,10 @@ ffi::Error attention_bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::An
                              ffi::Buffer<ffi::F32> d_lse, ffi::Result<ffi::AnyBuffer> d_query,
                              ffi::Result<ffi::AnyBuffer> d_key,
                              ffi::Result<ffi::AnyBuffer> d_value,
-                             ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale,
-                             bool is_causal, float softcap) {
-  auto fwd = make_params(query, key, value, nonpad_kv_seqlen, out, lse, scale, is_causal, softcap);
+                             ffi::Result<ffi::Buffer<ffi::F32>> delta, ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/false);
+  if (!a) return a.error();
+  auto fwd = make_params(query, key, value, nonpad_kv_seqlen, out, lse, *a);
   return run_bwd(pool, make_bwd_params(fwd, query, key, value, out, lse, d_out, d_lse, *d_query,
                                        *d_key, *d_value, *delta));
 }
@@ -41,10 +42,11 @@ ffi::Error packed_attention_bwd_cpu(
     ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> cu_seqlens_k, ffi::AnyBuffer out,
     ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> d_lse,
     ffi::Result<ffi::AnyBuffer> d_query, ffi::Result<ffi::AnyBuffer> d_key,
-    ffi::Result<ffi::AnyBuffer> d_value, ffi::Result<ffi::Buffer<ffi::F32>> delta, float scale,
-    bool is_causal, float softcap, int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  auto fwd = make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, scale,
-                                is_causal, softcap, max_seqlen_q, max_seqlen_k);
+    ffi::Result<ffi::AnyBuffer> d_value, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+    ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/true);
+  if (!a) return a.error();
+  auto fwd = make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, *a);
   return run_bwd(pool, make_bwd_params(fwd, query, key, value, out, lse, d_out, d_lse, *d_query,
                                        *d_key, *d_value, *delta));
 }
@@ -68,9 +70,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d_key [B, Skv, Hkv, D]
         .Ret<xla::ffi::AnyBuffer>()                     // d_value [B, Skv, Hkv, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [B, H, Sq], workspace
-        .Attr<float>("scale")                           // multiplies <q, k>
-        .Attr<bool>("is_causal")                        // tail-aligned causal mask
-        .Attr<float>("softcap"));                       // 0 = off
+        .Attrs());  // scale, is_causal, softcap, window_left/right (CallAttrs, handler_common.h)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_bwd_cpu, jax_varlen::packed_attention_bwd_cpu,
@@ -89,8 +89,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d_key [N, Tk, Hkv, D]
         .Ret<xla::ffi::AnyBuffer>()                     // d_value [N, Tk, Hkv, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [N, H, Tq], workspace
-        .Attr<float>("scale")                           // multiplies <q, k>
-        .Attr<bool>("is_causal")                        // tail-aligned per sequence
-        .Attr<float>("softcap")                         // 0 = off
-        .Attr<int64_t>("max_seqlen_q")                  // longest query run: the items' rows
-        .Attr<int64_t>("max_seqlen_k"));                // longest key run
+        .Attrs());  // scale, is_causal, softcap, max_seqlen_q/k, window_left/right (CallAttrs)

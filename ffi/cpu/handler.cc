@@ -23,9 +23,10 @@ ffi::Error run_fwd(ffi::ThreadPool& pool, const ffi::ErrorOr<AttentionParams>& p
 ffi::Error attention_fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key,
                              ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                             float scale, bool is_causal, float softcap) {
-  return run_fwd(pool, make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, scale,
-                                   is_causal, softcap));
+                             ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/false);
+  if (!a) return a.error();
+  return run_fwd(pool, make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, *a));
 }
 
 ffi::Error packed_attention_fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query,
@@ -33,12 +34,12 @@ ffi::Error packed_attention_fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query,
                                     ffi::Buffer<ffi::S32> cu_seqlens_q,
                                     ffi::Buffer<ffi::S32> cu_seqlens_k,
                                     ffi::Result<ffi::AnyBuffer> out,
-                                    ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
-                                    bool is_causal, float softcap, int64_t max_seqlen_q,
-                                    int64_t max_seqlen_k) {
+                                    ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                    ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/true);
+  if (!a) return a.error();
   return run_fwd(pool, make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, *out,
-                                          *lse, scale, is_causal, softcap, max_seqlen_q,
-                                          max_seqlen_k));
+                                          *lse, *a));
 }
 
 }  // namespace
@@ -54,9 +55,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // nonpad_kv_seqlen [B]
         .Ret<xla::ffi::AnyBuffer>()                     // out [B, Sq, H, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [B, H, Sq]
-        .Attr<float>("scale")                           // multiplies <q, k>
-        .Attr<bool>("is_causal")                        // tail-aligned causal mask
-        .Attr<float>("softcap"));                       // 0 = off
+        .Attrs());  // scale, is_causal, softcap, window_left/right (CallAttrs, handler_common.h)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_fwd_cpu, jax_varlen::packed_attention_fwd_cpu,
@@ -69,8 +68,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_k [N, B + 1]
         .Ret<xla::ffi::AnyBuffer>()                     // out [N, Tq, H, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [N, H, Tq]
-        .Attr<float>("scale")                           // multiplies <q, k>
-        .Attr<bool>("is_causal")                        // tail-aligned per sequence
-        .Attr<float>("softcap")                         // 0 = off
-        .Attr<int64_t>("max_seqlen_q")                  // longest query run: the items' rows
-        .Attr<int64_t>("max_seqlen_k"));                // longest key run
+        .Attrs());  // scale, is_causal, softcap, max_seqlen_q/k, window_left/right (CallAttrs)

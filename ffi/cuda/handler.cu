@@ -31,12 +31,23 @@ ffi::Error check_workspace(const char* name, size_t given, int64_t num_packs, in
                                      " x " + std::to_string(per_pack) + " (packs x per pack)");
 }
 
+// The kernels do not take a local window yet (issue 34): a call with one is an error, never a
+// result without it.
+ffi::Error check_no_window(const AttentionParams& p) {
+  if (p.window_left < 0 && p.window_right < 0) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      "jax_varlen: local_window_size is not yet supported by the CUDA kernels (issue 34); got "
+      "window_left = " + std::to_string(p.window_left) + ", window_right = " +
+      std::to_string(p.window_right) + ". Run the call on the CPU or without a window");
+}
+
 // The forward of either layout, once its params are made: the plan, its split-KV workspace, the
 // launch.
 ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
                    ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
   if (!params) return params.error();
   AttentionParams& p = *params;
+  if (auto err = check_no_window(p); err.failure()) return err;
   const auto plan = plan_call(p);
   if (!plan) return plan.error();
   if (auto err = check_workspace("the split-KV workspace", workspace->element_count(), p.num_packs,
@@ -57,22 +68,21 @@ ffi::Error attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::An
                               ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                              ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
-                              bool is_causal, float softcap) {
-  return run_fwd(make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, scale, is_causal, softcap),
-                 stream, workspace);
+                              ffi::Result<ffi::Buffer<ffi::F32>> workspace, ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/false);
+  if (!a) return a.error();
+  return run_fwd(make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, *a), stream, workspace);
 }
 
 ffi::Error packed_attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key,
                                      ffi::AnyBuffer value, ffi::Buffer<ffi::S32> cu_seqlens_q,
                                      ffi::Buffer<ffi::S32> cu_seqlens_k, ffi::Result<ffi::AnyBuffer> out,
                                      ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                                     ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
-                                     bool is_causal, float softcap, int64_t max_seqlen_q,
-                                     int64_t max_seqlen_k) {
-  return run_fwd(make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, *out, *lse, scale, is_causal,
-                                    softcap, max_seqlen_q, max_seqlen_k),
-                 stream, workspace);
+                                     ffi::Result<ffi::Buffer<ffi::F32>> workspace, ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/true);
+  if (!a) return a.error();
+  return run_fwd(make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, *out, *lse, *a), stream,
+                 workspace);
 }
 
 // The backward of either layout (params.h, BackwardParams): d_query, d_key, d_value and the
@@ -82,6 +92,7 @@ ffi::Error run_bwd(ffi::ErrorOr<BackwardParams> params, cudaStream_t stream,
                    ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace) {
   if (!params) return params.error();
   BackwardParams bp = *params;
+  if (auto err = check_no_window(bp.fwd); err.failure()) return err;
   const auto plan = plan_call(bp.fwd);
   if (!plan) return plan.error();
   if (auto err = check_workspace("the dQ workspace", dq_workspace->element_count(), bp.fwd.num_packs,
@@ -102,9 +113,10 @@ ffi::Error attention_bwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::An
                               ffi::Buffer<ffi::F32> d_lse, ffi::Result<ffi::AnyBuffer> d_query,
                               ffi::Result<ffi::AnyBuffer> d_key, ffi::Result<ffi::AnyBuffer> d_value,
                               ffi::Result<ffi::Buffer<ffi::F32>> delta,
-                              ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace, float scale, bool is_causal,
-                              float softcap) {
-  auto fwd = make_params(query, key, value, nonpad_kv_seqlen, out, lse, scale, is_causal, softcap);
+                              ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace, ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/false);
+  if (!a) return a.error();
+  auto fwd = make_params(query, key, value, nonpad_kv_seqlen, out, lse, *a);
   return run_bwd(make_bwd_params(fwd, query, key, value, out, lse, d_out, d_lse, *d_query, *d_key, *d_value, *delta),
                  stream, dq_workspace);
 }
@@ -115,10 +127,10 @@ ffi::Error packed_attention_bwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, 
                                      ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> d_lse,
                                      ffi::Result<ffi::AnyBuffer> d_query, ffi::Result<ffi::AnyBuffer> d_key,
                                      ffi::Result<ffi::AnyBuffer> d_value, ffi::Result<ffi::Buffer<ffi::F32>> delta,
-                                     ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace, float scale,
-                                     bool is_causal, float softcap, int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  auto fwd = make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, scale, is_causal,
-                                softcap, max_seqlen_q, max_seqlen_k);
+                                     ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace, ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/true);
+  if (!a) return a.error();
+  auto fwd = make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, *a);
   return run_bwd(make_bwd_params(fwd, query, key, value, out, lse, d_out, d_lse, *d_query, *d_key, *d_value, *delta),
                  stream, dq_workspace);
 }
@@ -137,9 +149,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // out [B, Sq, H, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [B, H, Sq]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // split-KV partials [B, plan's per pack] (params.h)
-        .Attr<float>("scale")                           // multiplies <q, k>
-        .Attr<bool>("is_causal")                        // tail-aligned causal mask
-        .Attr<float>("softcap"),                        // 0 = off
+        .Attrs(),  // scale, is_causal, softcap, window_left/right (CallAttrs; a window is an error)
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -159,9 +169,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d_value [B, Skv, Hkv, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [B, H, Sq]: workspace
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // Hopper dQ workspace [B, plan's per pack] (limits.h)
-        .Attr<float>("scale")                           // multiplies <q, k>
-        .Attr<bool>("is_causal")                        // tail-aligned causal mask
-        .Attr<float>("softcap"),                        // 0 = off
+        .Attrs(),  // scale, is_causal, softcap, window_left/right (CallAttrs; a window is an error)
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -176,11 +184,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // out [N, Tq, H, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [N, H, Tq]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // split-KV partials [N, plan's per pack] (params.h)
-        .Attr<float>("scale")                           // multiplies <q, k>
-        .Attr<bool>("is_causal")                        // tail-aligned per sequence
-        .Attr<float>("softcap")                         // 0 = off
-        .Attr<int64_t>("max_seqlen_q")                  // longest query run: the grids' rows
-        .Attr<int64_t>("max_seqlen_k"),                 // longest key run
+        .Attrs(),  // scale, is_causal, softcap, max_seqlen_q/k, window_left/right (CallAttrs)
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -201,9 +205,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d_value [N, Tk, Hkv, Dv]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [N, H, Tq]: workspace
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // Hopper dQ workspace [N, plan's per pack] (limits.h)
-        .Attr<float>("scale")                           // multiplies <q, k>
-        .Attr<bool>("is_causal")                        // tail-aligned per sequence
-        .Attr<float>("softcap")                         // 0 = off
-        .Attr<int64_t>("max_seqlen_q")                  // longest query run: the grids' rows
-        .Attr<int64_t>("max_seqlen_k"),                 // longest key run
+        .Attrs(),  // scale, is_causal, softcap, max_seqlen_q/k, window_left/right (CallAttrs)
     {xla::ffi::Traits::kCmdBufferCompatible});
