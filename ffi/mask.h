@@ -37,7 +37,9 @@ struct Range {
 };
 
 // Keys [begin, end) that query row i may attend to (both bounds grow with i, by at most one
-// per row). Worked example, seqlen_q = n = 6, causal, left = 2: row 4 (p = 4) sees keys 2..4.
+// per row). Worked examples: seqlen_q = n = 6, causal, left = 2: row 4 (p = 4) sees keys 2..4;
+// causal without a window, seqlen_q = 4, n = 2: rows 0..3 see [0, 0), [0, 0), [0, 1), [0, 2)
+// (the leading two rows are empty: zeros, lse = -inf).
 JV_HOST_DEVICE Range key_range(const MaskSpec& m, int64_t i, int64_t n, int64_t seqlen_q) {
   const int64_t p = i + n - seqlen_q;
   int64_t end = n;
@@ -46,6 +48,13 @@ JV_HOST_DEVICE Range key_range(const MaskSpec& m, int64_t i, int64_t n, int64_t 
   int64_t begin = m.left >= 0 && p - m.left > 0 ? p - m.left : 0;
   if (end < begin) end = begin;
   return {begin, end};
+}
+
+// Whether query row i may attend to key j: the predicate key_range's bounds describe, for
+// kernels that test one (row, key) pair at a time (a masked tile's elements).
+JV_HOST_DEVICE bool key_allowed(const MaskSpec& m, int64_t i, int64_t j, int64_t n, int64_t seqlen_q) {
+  const int64_t p = i + n - seqlen_q;
+  return j >= 0 && j < n && (!m.causal || j <= p) && (m.right < 0 || j <= p + m.right) && (m.left < 0 || j >= p - m.left);
 }
 
 // Keys that some row of [i0, i1) may attend to: [begin of row i0, end of row i1 - 1), since
@@ -72,16 +81,6 @@ JV_HOST_DEVICE Range row_range(const MaskSpec& m, int64_t j0, int64_t j1, int64_
   if (m.left >= 0 && j1 - 1 + m.left - shift + 1 < end) end = j1 - 1 + m.left - shift + 1;
   if (end < begin) end = begin;
   return {begin, end};
-}
-
-// Number of keys query row i (of seqlen_q rows) may attend to, given n valid keys: keys
-// [0, limit) are allowed. Causal is tail-aligned: the queries are the last seqlen_q of the n
-// positions. Worked example, seqlen_q = 4, n = 6: rows 0..3 see 3, 4, 5, 6 keys; with n = 2:
-// rows 0..3 see -1 -> 0, 0, 1, 2 keys (the leading two rows are empty: zeros, lse = -inf).
-JV_HOST_DEVICE int64_t allowed_keys(int64_t i, int64_t n, int64_t seqlen_q, bool is_causal) {
-  if (!is_causal) return n;
-  int64_t limit = i + n - seqlen_q + 1;
-  return limit < 0 ? 0 : (limit > n ? n : limit);
 }
 
 }  // namespace jax_varlen

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,13 @@ import pytest
 import jax_varlen
 from conftest import DTYPES, EXPORT_PLATFORM, assert_lse_close, assert_out_close, bits
 
+# The CUDA kernels take a window, unverified on a GPU so far: the handler raises unless
+# JAX_VARLEN_CUDA_WINDOW=1 (issue 34). Without the switch the window's GPU cases are strict
+# xfails (the error is the expected result); with it they run and must pass.
+_CUDA_WINDOW = os.environ.get("JAX_VARLEN_CUDA_WINDOW") == "1"
 _NO_WINDOW_ON_GPU = pytest.mark.xfail(
     strict=True, raises=jax.errors.JaxRuntimeError,
-    reason="local_window_size is not yet in the CUDA kernels (issue 34)")
+    reason="local_window_size on CUDA needs JAX_VARLEN_CUDA_WINDOW=1 until verified (issue 34)")
 _UNBOUNDED = 10**9  # a window side past every key: that side unbounded
 
 
@@ -33,7 +38,7 @@ def _cases(cpu: dict, gpu: dict, window_on_gpu=lambda value: True):
     sets a window (``window_on_gpu``) are strict xfails."""
     params = [pytest.param("cpu", v, id=f"cpu-{k}") for k, v in cpu.items()]
     for k, v in gpu.items():
-        marks = [pytest.mark.gpu] + ([_NO_WINDOW_ON_GPU] if window_on_gpu(v) else [])
+        marks = [pytest.mark.gpu] + ([_NO_WINDOW_ON_GPU] if window_on_gpu(v) and not _CUDA_WINDOW else [])
         params.append(pytest.param("gpu", v, id=f"gpu-{k}", marks=marks))
     return pytest.mark.parametrize(("backend", "case"), params, indirect=["backend"])
 

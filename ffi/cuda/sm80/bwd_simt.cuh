@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(32 * kBwdSimtWarps) bwd_dq_simt_kernel(const _
   const SeqlenInfo seq(p, blockIdx.z);
   if (r >= seq.seqlen_q * group) return;
   const int64_t i = r / group, h = g * group + r % group;
-  const int64_t limit = allowed_keys(i, seq.seqlen_k, seq.seqlen_q, p.is_causal);
+  const Range keys = key_range(p.mask(), i, seq.seqlen_k, seq.seqlen_q);
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   const Elem* q = static_cast<const Elem*>(p.q) + seq.q_index(p, i, h);
   const Elem* d_o = static_cast<const Elem*>(bp.d_out) + seq.out_index(p, i, h);
@@ -67,9 +67,9 @@ __global__ void __launch_bounds__(32 * kBwdSimtWarps) bwd_dq_simt_kernel(const _
     dof[c] = d < Dv ? load_float(d_o + d) : 0.0f;
     dq[c] = 0.0f;
   }
-  const float lse = limit > 0 ? p.lse[seq.lse_index(p, h, i)] : 0.0f;
-  const float delta = limit > 0 ? bp.delta[seq.lse_index(p, h, i)] : 0.0f;
-  for (int64_t j = 0; j < limit; ++j) {
+  const float lse = keys.empty() ? 0.0f : p.lse[seq.lse_index(p, h, i)];
+  const float delta = keys.empty() ? 0.0f : bp.delta[seq.lse_index(p, h, i)];
+  for (int64_t j = keys.begin; j < keys.end; ++j) {
     const Elem* kj = k + j * p.k_row_stride;
     const Elem* vj = v + j * p.v_row_stride;
     float dot = 0.0f, dp = 0.0f;
@@ -110,10 +110,10 @@ __global__ void __launch_bounds__(32 * kBwdSimtWarps) bwd_dkdv_simt_kernel(const
     vf[c] = j < n && d < Dv ? load_float(v + d) : 0.0f;
     dk[c] = dv[c] = 0.0f;
   }
-  // Query rows that see key j: every row (keys < n), from row j + Sq - n on under causal.
-  const int64_t i0 = j >= n ? Sq : (p.is_causal ? (j + Sq - n > 0 ? j + Sq - n : 0) : 0);
+  // Query rows that see key j (none for a padded key, j >= n).
+  const Range rows = row_range(p.mask(), j, j + 1, n, Sq);
   for (int64_t h = g * group; h < (g + 1) * group; ++h)
-    for (int64_t i = i0; i < Sq; ++i) {
+    for (int64_t i = rows.begin; i < rows.end; ++i) {
       const Elem* q = static_cast<const Elem*>(p.q) + seq.q_index(p, i, h);
       const Elem* d_o = static_cast<const Elem*>(bp.d_out) + seq.out_index(p, i, h);
       float dot = 0.0f, dp = 0.0f;

@@ -188,17 +188,19 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     cp_async_commit();
   };
 
-  // The rows that see a key of this block: all of them, or under causal those of query
-  // positions i >= j0 + Sq - n (tail-aligned, mask.h), from the 64-row step that holds the first.
-  const int64_t i_first = p.is_causal && j0 + Sq - n > 0 ? j0 + Sq - n : 0;
-  const int64_t r_begin = i_first < Sq ? i_first * group / kBM * kBM : rows;
+  // The rows that see a key of this block (mask.h, row_range: query positions [i_begin, i_end)),
+  // in packed rows from the 64-row step that holds the first.
+  const MaskSpec mask = p.mask();
+  const Range seen = row_range(mask, j0, j0 + kBN, n, Sq);
+  const int64_t r_begin = seen.empty() ? rows : seen.begin * group / kBM * kBM;
+  const int64_t r_end = seen.empty() ? rows : seen.end * group;
   const ScoreScale sc(p.scale, p.softcap);
 
   float dk[kDk ? kDT : 1][4] = {};
   float dv[kDv ? kDT : 1][4] = {};
   load_step(0, r_begin);
   int st = 0;
-  for (int64_t r0 = r_begin; r0 < rows; r0 += kBM, st ^= 1) {
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kBM, st ^= 1) {
     load_step(st ^ 1, r0 + kBM);
     cp_async_wait<1>();
     __syncthreads();  // this step's tiles (and K, V) landed
@@ -209,8 +211,11 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     if constexpr (kDk) gemm_abt<kHeadDim, kNT>(dp, sV, warp * 16, sdO(st));
 
     // Mask only steps with a pair outside the allowed ones: the block's last valid key, the
-    // rows' end, the causal diagonal.
-    const bool masked = j0 + kBN > n || r0 + kBM > rows || (p.is_causal && r0 / group < j0 + kBN - 1 + Sq - n);
+    // rows' end, the causal diagonal, a window's edges. Both bounds of a row's keys grow with
+    // the row, so the step is whole iff its last row's first key and its first row's key end
+    // take in the block.
+    const bool masked = r0 + kBM > rows || key_range(mask, (r0 + kBM - 1) / group, n, Sq).begin > j0 ||
+                        key_range(mask, r0 / group, n, Sq).end < j0 + kBN;
     const float* lse = sLse(st);
     const float* delta = sDelta(st);
 #pragma unroll
@@ -224,7 +229,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
         if (masked) {
           const int64_t r = r0 + col;
           const int j = j0 + warp * 16 + lane / 4 + 8 * (e / 2);
-          ok = j < n && r < rows && (!p.is_causal || j <= r / group + n - Sq);
+          ok = r < rows && key_allowed(mask, r / group, j, n, Sq);
         }
         if constexpr (kDk) dp[nt][e] = ok ? pr * (dp[nt][e] - delta[col]) * dcap : 0.0f;
         s[nt][e] = ok ? pr : 0.0f;
@@ -278,7 +283,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   const unsigned tid = threadIdx.x;
   Elem* d_q = static_cast<Elem*>(bp.d_q);
   auto dq_row = [&](int64_t r) { return d_q + seq.q_index(p, r / group, g * group + r % group); };
-  if (blk.max_limit <= 0) {  // no row sees a key: zero gradient
+  if (blk.max_limit <= blk.min_first) {  // no row sees a key: zero gradient
     zero_rows<Elem>(blk.row_begin, blk.row_end, p.head_dim, dq_row);
     return;
   }
@@ -293,15 +298,17 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   cp_async_commit();
 
   // This thread's rows: local 16 warp + lane / 4 + 8 rr.
-  int limit[2];
+  int first[2], limit[2];  // allowed keys [first, limit) of each row (mask.h, key_range)
   float lse2[2], delta[2];
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int64_t r = blk.row_begin + warp * 16 + lane / 4 + 8 * rr;
-    limit[rr] = r < blk.row_end ? int(allowed_keys(r / group, seq.seqlen_k, seq.seqlen_q, p.is_causal)) : 0;
-    const int64_t at = limit[rr] > 0 ? seq.lse_index(p, g * group + r % group, r / group) : 0;
-    lse2[rr] = limit[rr] > 0 ? p.lse[at] * kLog2e : 0.0f;
-    delta[rr] = limit[rr] > 0 ? bp.delta[at] : 0.0f;
+    const Range row = r < blk.row_end ? key_range(p.mask(), r / group, seq.seqlen_k, seq.seqlen_q) : Range{0, 0};
+    first[rr] = int(row.begin);
+    limit[rr] = int(row.end);
+    const int64_t at = row.empty() ? 0 : seq.lse_index(p, g * group + r % group, r / group);
+    lse2[rr] = row.empty() ? 0.0f : p.lse[at] * kLog2e;
+    delta[rr] = row.empty() ? 0.0f : bp.delta[at];
   }
 
   const int key_end = int(blk.max_limit);  // keys at or past it are zero-filled, never read
@@ -319,9 +326,10 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
   const ScoreScale sc(p.scale, p.softcap);
 
   float dq[kDT][4] = {};
-  load_kv(0, 0);
+  const int key_begin = int(blk.min_first / kBN * kBN);  // the first allowed key's tile
+  load_kv(0, key_begin);
   int st = 0;
-  for (int n0 = 0; n0 < key_end; n0 += kBN, st ^= 1) {
+  for (int n0 = key_begin; n0 < key_end; n0 += kBN, st ^= 1) {
     load_kv(st ^ 1, n0 + kBN);
     cp_async_wait<1>();
     __syncthreads();  // this tile (and, the first time, Q and dO) landed
@@ -329,7 +337,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     float s[kNT][4] = {}, dp[kNT][4] = {};
     gemm_abt<kHeadDim, kNT>(s, sQ, warp * 16, sK(st));
     gemm_abt<kHeadDim, kNT>(dp, sdO, warp * 16, sV(st));
-    const bool masked = n0 + kBN > blk.min_limit;
+    const bool masked = n0 + kBN > blk.min_limit || n0 < blk.max_first;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
@@ -337,7 +345,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
         const int rr = e / 2;
         float dcap;
         const float pr = pair_prob<kSoftcap>(s[nt][e], lse2[rr], sc, dcap);
-        const bool ok = !masked || n0 + nt * 8 + 2 * (lane & 3) + (e & 1) < limit[rr];
+        const int key = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+        const bool ok = !masked || (key < limit[rr] && key >= first[rr]);
         dp[nt][e] = ok ? pr * (dp[nt][e] - delta[rr]) * dcap : 0.0f;
       }
     gemm_xb<kHeadDim, kNT>(dq, dp, sK(st));

@@ -53,17 +53,19 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   if (r >= seq.seqlen_q * group) return;  // packed: past this sequence's rows
   const int64_t i = r / group, h = g * group + r % group;
   Elem* out = static_cast<Elem*>(p.out) + seq.out_index(p, i, h);
-  const int64_t limit = allowed_keys(i, seq.seqlen_k, seq.seqlen_q, p.is_causal);
-  const int splits = int((limit + p.split_keys - 1) / p.split_keys);  // splits with a key of this row
+  // The row's splits: those that hold one of its allowed keys [keys.begin, keys.end).
+  const Range keys = key_range(p.mask(), i, seq.seqlen_k, seq.seqlen_q);
+  const int64_t split0 = keys.begin / p.split_keys;
+  const int splits = keys.empty() ? 0 : int((keys.end + p.split_keys - 1) / p.split_keys - split0);
   if (splits == 0) {  // no allowed key: zeros, lse = -inf
     for (int col = threadIdx.x; col < p.head_dim_v; col += blockDim.x) out[col] = Elem(0.0f);
     if (threadIdx.x == 0) p.lse[seq.lse_index(p, h, i)] = -INFINITY;
     return;
   }
   const int64_t rows_pad = rows_padded(p);
-  const int64_t first = split_partial(p, b, g, 0, r);
-  const float* o_part = split_o_part(p) + first * p.head_dim_v;  // split s at + s * rows_pad * Dv
-  const float* lse_part = split_lse_part(p) + first;             // split s at + s * rows_pad
+  const int64_t first = split_partial(p, b, g, split0, r);
+  const float* o_part = split_o_part(p) + first * p.head_dim_v;  // split split0 + s at + s * rows_pad * Dv
+  const float* lse_part = split_lse_part(p) + first;             // split split0 + s at + s * rows_pad
 
   // Weights exp2(lse_s - mx); a partial of weight 0 (lse -inf) has o = 0 and adds nothing. When
   // every partial is -inf, m_use = 0 keeps the weights 0 and the row gives 0/0 = NaN, lse -inf,

@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_
   const SeqlenInfo seq(p, blockIdx.z);
   if (r >= seq.seqlen_q * group) return;
   const int64_t i = r / group, h = g * group + r % group;
-  const int64_t limit = allowed_keys(i, seq.seqlen_k, seq.seqlen_q, p.is_causal);
+  const Range keys = key_range(p.mask(), i, seq.seqlen_k, seq.seqlen_q);
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
 
   const Elem* q = static_cast<const Elem*>(p.q) + seq.q_index(p, i, h);
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_
     acc[c] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  for (int64_t j = 0; j < limit; ++j) {
+  for (int64_t j = keys.begin; j < keys.end; ++j) {
     const Elem* kj = k + j * p.k_row_stride;
     const Elem* vj = v + j * p.v_row_stride;
     float dot = 0.0f;
@@ -64,13 +64,14 @@ __global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_
       if (lane + 32 * c < Dv) acc[c] = acc[c] * alpha + pj * load_float(vj + lane + 32 * c);
   }
   Elem* out = static_cast<Elem*>(p.out) + seq.out_index(p, i, h);
-  // "No allowed key" is decided by the row's limit, never by l, so NaN/Inf in real data
+  // "No allowed key" is decided by the row's key range, never by l, so NaN/Inf in real data
   // propagates (SPEC: non-finite real data).
-  const float inv = limit > 0 ? 1.0f / l : 0.0f;
+  const bool any = !keys.empty();
+  const float inv = any ? 1.0f / l : 0.0f;
 #pragma unroll
   for (int c = 0; c < kSimtPerLane; ++c)
     if (lane + 32 * c < Dv) out[lane + 32 * c] = store_float<Elem>(acc[c] * inv);
-  if (lane == 0) p.lse[seq.lse_index(p, h, i)] = limit > 0 ? m + logf(l) : -INFINITY;
+  if (lane == 0) p.lse[seq.lse_index(p, h, i)] = any ? m + logf(l) : -INFINITY;
 }
 
 template <typename Elem>

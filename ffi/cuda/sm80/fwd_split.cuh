@@ -67,9 +67,13 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<k
   const BlockInfo blk(p, b, rb, Tr::kRows);
   if (blk.past_end()) return;
   const SeqlenInfo& seq = blk.seq;
-  const int64_t key_begin = split * p.split_keys;
-  const int64_t key_end = blk.max_limit < key_begin + p.split_keys ? blk.max_limit : key_begin + p.split_keys;
-  if (key_begin >= key_end) return;  // past this row block's last allowed key: never merged
+  // This split's keys [split_begin, split_end), cut to the block's (mask.h): its tiles start at
+  // the block's first allowed key (rounded down to a tile) and stop at its last.
+  const int64_t split_begin = split * p.split_keys, split_end = split_begin + p.split_keys;
+  const int64_t first_tile = blk.min_first / Tr::kBlockN * Tr::kBlockN;
+  const int64_t key_begin = first_tile > split_begin ? first_tile : split_begin;
+  const int64_t key_end = blk.max_limit < split_end ? blk.max_limit : split_end;
+  if (key_begin >= key_end) return;  // no key of this row block in the split: never merged
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // Q tile: packed rows -> (query position, head), zeros past the last row and past head_dim.
@@ -79,26 +83,28 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<k
     return r < blk.row_end ? q + seq.q_index(p, r / group, g * group + r % group) : nullptr; });
   cp_async_commit();
 
-  // Allowed keys of this thread's rows lane/4 and lane/4 + 8, clipped to the split: keys at or
-  // past key_end belong to the next split. Whether a row has a key in this split at all is
-  // decided by its limit, never by a sum (SPEC: non-finite real data propagates); the merge
-  // below reads it from has_keys.
+  // Allowed keys [first, limit) of this thread's rows lane/4 and lane/4 + 8, the limit clipped
+  // to the split: keys at or past key_end belong to the next split. Whether a row has a key in
+  // this split at all is decided by its range, never by a sum (SPEC: non-finite real data
+  // propagates); the merge below reads it from has_keys, the combine visits the same splits.
   __shared__ bool has_keys[Tr::kRows];
-  int limit[1][2];
+  int first[1][2], limit[1][2];
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int64_t r = blk.row_begin + lane / 4 + 8 * rr;
-    const int64_t row_limit = r < blk.row_end ? allowed_keys(r / group, seq.seqlen_k, seq.seqlen_q, p.is_causal) : 0;
-    limit[0][rr] = int(row_limit < key_end ? row_limit : key_end);
-    if (warp == 0 && (lane & 3) == 0) has_keys[lane / 4 + 8 * rr] = row_limit > key_begin;
+    const Range row = r < blk.row_end ? key_range(p.mask(), r / group, seq.seqlen_k, seq.seqlen_q) : Range{0, 0};
+    limit[0][rr] = int(row.end < key_end ? row.end : key_end);
+    first[0][rr] = int(row.begin);
+    if (warp == 0 && (lane & 3) == 0)
+      has_keys[lane / 4 + 8 * rr] = (row.end < split_end ? row.end : split_end) > (row.begin > split_begin ? row.begin : split_begin);
   }
   const int min_limit = int(blk.min_limit < key_end ? blk.min_limit : key_end);
 
   const KvSource<Elem> kv{p, seq.k_offset, int(g)};
   const KeyTiles keys{int(key_begin) + warp * Tr::kBlockN, int(key_end)};  // warp w: tiles w, w + 4, ...
   Accumulators<Ml> acc;
-  mainloop<Ml, kSoftcap>(sQ, 0, rings + warp * (Ml::kRingBytes / sizeof(Elem)), kv, keys, limit, min_limit,
-                         ScoreScale(p.scale, p.softcap), acc);
+  mainloop<Ml, kSoftcap>(sQ, 0, rings + warp * (Ml::kRingBytes / sizeof(Elem)), kv, keys, first, limit, min_limit,
+                         int(blk.max_first), ScoreScale(p.scale, p.softcap), acc);
 
   // Merge the four warps: each writes (m, l, o) of its 16 rows, then the block combines.
   cp_async_wait_all();

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
   auto out_row = [&](int64_t r) { return out + seq.out_index(p, r / group, g * group + r % group); };
   auto lse_at = [&](int64_t r) -> float& { return p.lse[seq.lse_index(p, g * group + r % group, r / group)]; };
 
-  if (blk.max_limit <= 0) {  // no row of this block may see a key: zero rows, lse = -inf
+  if (blk.max_limit <= blk.min_first) {  // no row of this block may see a key: zero rows, lse = -inf
     const int64_t chunks = p.head_dim_v / 8;  // 16-byte stores: head_dim_v % 8 == 0 here
     for (int64_t idx = threadIdx.x; idx < (blk.row_end - blk.row_begin) * chunks; idx += Tr::kThreads) {
       const int64_t r = blk.row_begin + idx / chunks, chunk = idx % chunks;
@@ -69,13 +69,15 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
   }
 
   // Rows of this thread: local row warp*16*kMT + mt*16 + lane/4 + 8*rr, for mt < kMT, rr < 2.
-  int limit[kMT][2];  // allowed keys of each row (lengths fit in int32)
+  int first[kMT][2], limit[kMT][2];  // allowed keys [first, limit) of each row (lengths fit in int32)
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int64_t r = blk.row_begin + warp * 16 * kMT + mt * 16 + lane / 4 + 8 * rr;
-      limit[mt][rr] = r < blk.row_end ? int(allowed_keys(r / group, seq.seqlen_k, seq.seqlen_q, p.is_causal)) : 0;
+      const Range row = r < blk.row_end ? key_range(p.mask(), r / group, seq.seqlen_k, seq.seqlen_q) : Range{0, 0};
+      first[mt][rr] = int(row.begin);
+      limit[mt][rr] = int(row.end);
     }
 
   load_tile<kHeadDim, Tr::kBlockM, Tr::kThreads>(sQ, q, p.head_dim, threadIdx.x, [&](int row) {
@@ -85,10 +87,10 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
 
   const KvSource<Elem> kv{p, seq.k_offset, int(g)};
   const int key_end = int(blk.max_limit);  // keys at or past it are zero-filled, never read
-  const KeyTiles keys{0, key_end};
+  const KeyTiles keys{int(blk.min_first / Tr::kBlockN * Tr::kBlockN), key_end};  // from the first key's tile
   Accumulators<Ml> acc;
-  mainloop<Ml, kSoftcap>(sQ, warp * 16 * kMT, ring, kv, keys, limit, int(blk.min_limit),
-                         ScoreScale(p.scale, p.softcap), acc);
+  mainloop<Ml, kSoftcap>(sQ, warp * 16 * kMT, ring, kv, keys, first, limit, int(blk.min_limit),
+                         int(blk.max_first), ScoreScale(p.scale, p.softcap), acc);
 
   // Epilogue: o / l rounded once to Elem; rows with nothing allowed give 0 and lse = -inf.
   const float kLn2 = 0.6931471805599453f;
@@ -101,9 +103,9 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const int64_t r = blk.row_begin + warp * 16 * kMT + mt * 16 + lane / 4 + 8 * rr;
       if (r >= blk.row_end) continue;
-      // "No allowed key" is decided by the row's limit, never by its sum, so NaN/Inf in real
+      // "No allowed key" is decided by the row's key range, never by its sum, so NaN/Inf in real
       // data propagates (SPEC: non-finite real data).
-      const bool any = limit[mt][rr] > 0;
+      const bool any = limit[mt][rr] > first[mt][rr];
       const float inv = any ? 1.0f / sum : 0.0f;
       Elem* row = out_row(r);
 #pragma unroll

@@ -91,15 +91,16 @@ __device__ __forceinline__ void team_sync() {
 //   sQ      the block's Q tile [rows, kHeadDim], swizzled; this warp's rows start at q_row0.
 //           Its cp.async group is committed before the call (the oldest group).
 //   ring    this team's K/V ring (Ml::kRingBytes of smem).
-//   limit   allowed keys of this thread's rows (mt, rr): local rows q_row0 + mt * 16 + lane / 4
-//           + 8 * rr; keys at or past a row's limit get probability 0. Limits must not pass
-//           keys.end.
-//   min_limit  the smallest limit of the block (or less): tiles that end at or before it are
-//           allowed whole and skip the masking pass.
+//   first, limit  the allowed keys [first, limit) of this thread's rows (mt, rr): local rows
+//           q_row0 + mt * 16 + lane / 4 + 8 * rr (mask.h, key_range); keys outside get
+//           probability 0. Limits must not pass keys.end.
+//   min_limit, max_first  the smallest limit and the largest first of the block (or less /
+//           more): tiles in [max_first, min_limit) are allowed whole and skip the masking pass.
 // Every warp of the block must call it (kQInRegisters syncs the block once, before the loop).
 template <class Ml, bool kSoftcap, typename Elem>
 __device__ __forceinline__ void mainloop(const Elem* sQ, int q_row0, Elem* ring, const KvSource<Elem>& kv,
-                                         const KeyTiles& keys, const int (&limit)[Ml::kMTiles][2], int min_limit,
+                                         const KeyTiles& keys, const int (&first)[Ml::kMTiles][2],
+                                         const int (&limit)[Ml::kMTiles][2], int min_limit, int max_first,
                                          const ScoreScale& scale, Accumulators<Ml>& acc) {
   constexpr int kHeadDim = Ml::kHeadDim, kBlockN = Ml::kBlockN, kStages = Ml::kStages;
   constexpr int kMT = Ml::kMTiles, kNT = kBlockN / 8, kDT = kHeadDim / 8, kKS = kHeadDim / 16;
@@ -192,12 +193,14 @@ __device__ __forceinline__ void mainloop(const Elem* sQ, int q_row0, Elem* ring,
       }
     }
 
-    // Mask only tiles that reach past some row's limit (the last tile, the causal diagonal).
-    const bool masked = n0 + kBlockN > min_limit;
+    // Mask only tiles that reach past some row's limit (the last tile, the causal diagonal) or
+    // start before some row's first key (a local window's left edge).
+    const bool masked = n0 + kBlockN > min_limit || n0 < max_first;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
-      online_softmax<kSoftcap>(s[mt], acc.m[mt], acc.l[mt], acc.o[mt], scale, masked,
-                               [&](int key, int rr) { return n0 + key >= limit[mt][rr]; });
+      online_softmax<kSoftcap>(s[mt], acc.m[mt], acc.l[mt], acc.o[mt], scale, masked, [&](int key, int rr) {
+        return n0 + key >= limit[mt][rr] || n0 + key < first[mt][rr];
+      });
 
     cp_async_wait<2 * kStages - 2>();
     team_sync<Ml>();  // V[t] landed; the team is done with K[t]

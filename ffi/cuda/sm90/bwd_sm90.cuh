@@ -172,15 +172,17 @@ struct BwdKernelParams {
 };
 
 // Sequence b of the CTA: where it lies (SeqlenInfo, in 32-bit coordinates of its pack) and its
-// steps: row blocks [m_lo, m_end) of each query head of the group, and the number of key
-// blocks that row block m sees (the dQ order's length).
+// steps: row blocks [m_lo, m_hi) of each query head of the group (those with a row that sees a
+// key of the block: mask.h, row_range), and the key blocks that row block m sees (mask.h,
+// key_range: the dQ order runs over them).
 template <int kBlockM>
 struct BwdBlock {
   int b, g, n_block;
   int pack, q_start, k_start;  // the pack of b (b padded) and b's first query and key row in it
   int len_q, k_rows;           // b's query rows, and the key rows it owns (padded: Skv)
   int n;                       // valid keys of sequence b, clamped
-  int m_lo, m_end;             // first row block that sees a key of this block; ceil(len_q / M)
+  int m_lo, m_hi;              // the row blocks that see a key of this block (set by the kernel)
+  int m_end;                   // ceil(len_q / M): b's row blocks
   int slot0;                   // dq_accum slot of b's first row block
 
   __device__ void locate(const AttentionParams& p, int b_) {
@@ -195,10 +197,14 @@ struct BwdBlock {
     m_end = (len_q + kBlockM - 1) / kBlockM;
     slot0 = int((seq.q_start + (b - seq.pack * p.pack_seqs) * kBlockM) / kBlockM);
   }
-  __device__ int key_blocks_seen(const AttentionParams& p, int m) const {
+  // Key blocks [lo, hi) that row block m (< m_end) sees: those holding a key of the union of
+  // its rows' ranges, which is contiguous (a row with no key lies before or after the others)
+  // -- exactly the blocks whose CTA visits m (row_range is exact). Empty: hi <= lo.
+  __device__ int2 key_blocks(const AttentionParams& p, int m) const {
     const int last = m * kBlockM + kBlockM - 1;
-    const int row = last < len_q ? last : len_q - 1;
-    return int((allowed_keys(row, n, len_q, p.is_causal) + kBwdBlockN - 1) / kBwdBlockN);
+    const Range keys = key_range(p.mask(), m * kBlockM, last < len_q ? last + 1 : len_q, n, len_q);
+    if (keys.empty()) return make_int2(0, 0);
+    return make_int2(int(keys.begin / kBwdBlockN), int((keys.end + kBwdBlockN - 1) / kBwdBlockN));
   }
   // Element offset of (head h, row i of b) in lse and delta: [packs, heads, pack_rows_q].
   __device__ int64_t lse_index(const AttentionParams& p, int h, int i) const {
@@ -240,9 +246,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     blk.locate(p, bp.seq_order[pair / int(p.kv_num_heads)]);
   }
   const int key0 = blk.n_block * kBlockN;
-  {  // first row that sees key0: i + n - len_q >= key0 under the mask, every row otherwise
-    const int i0 = p.is_causal ? key0 - blk.n + blk.len_q : 0;
-    blk.m_lo = (i0 > 0 ? i0 : 0) / kBlockM;
+  {  // the rows that see a key of this block (mask.h; none for a block past n_b)
+    const Range rows = row_range(p.mask(), key0, key0 + kBlockN, blk.n, blk.len_q);
+    blk.m_lo = rows.empty() ? 0 : int(rows.begin / kBlockM);
+    blk.m_hi = rows.empty() ? 0 : int((rows.end + kBlockM - 1) / kBlockM);
   }
   const int group = int(p.num_heads / p.kv_num_heads);
   const int h0 = blk.g * group;
@@ -250,7 +257,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
                  int64_t(blk.k_start) * p.k_row_stride + blk.g * p.k_head_stride;
   Element* d_v = static_cast<Element*>(bp.d_v) + int64_t(blk.pack) * p.v_batch_stride +
                  int64_t(blk.k_start) * p.v_row_stride + blk.g * p.v_head_stride;
-  if (key0 >= blk.n) {  // a block wholly past n_b: zero gradients for its rows of Skv (none packed)
+  if (key0 >= blk.n || blk.m_lo >= blk.m_hi) {  // a block wholly past n_b (its rows of Skv; none
+                                                 // packed) or that no row sees: zero gradients
     const int rows = blk.k_rows - key0 < kBlockN ? blk.k_rows - key0 : kBlockN;
     const int ck = int(p.head_dim / 8), cv = int(p.head_dim_v / 8);
     for (int idx = threadIdx.x; idx < rows * (ck + cv); idx += Tr::kThreads) {
@@ -290,9 +298,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     if (warp == 1) {  // the dQ writer
       int step = 0;
       for (int h = h0; h < h0 + group; ++h)
-        for (int m = blk.m_lo; m < blk.m_end; ++m, ++step) {
+        for (int m = blk.m_lo; m < blk.m_hi; ++m, ++step) {
           const int buf = step & 1, phase_dq = (step >> 1) & 1;
-          const int rank = blk.key_blocks_seen(p, m) - 1 - blk.n_block;  // >= 0
+          const int rank = blk.key_blocks(p, m).y - 1 - blk.n_block;  // >= 0
           const int64_t unit = blk.dq_unit(p, kp.num_slots, h, m);
           int* sem = bp.dq_semaphore + unit;
           float* acc = bp.dq_accum + unit * (kBlockM * kHeadDim);
@@ -362,7 +370,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     int stage = 0, phase = 0;
     for (int h = h0; h < h0 + group; ++h) {
       const int64_t rows_h = blk.lse_index(p, h, 0);
-      for (int m = blk.m_lo; m < blk.m_end; ++m) {
+      for (int m = blk.m_lo; m < blk.m_hi; ++m) {
         Barrier::wait(&ss.empty[stage], phase ^ 1);
 #pragma unroll
         for (int r = lane; r < kBlockM; r += 32) {
@@ -454,11 +462,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
     named_sync(kBwdOwnBarrier + wg, 128);
   };
 
-  // An allowed pair of a real row i and key j has j - i < diag (mask.h: limit = i + n - len_q + 1).
-  const int diag = p.is_causal ? blk.n - blk.len_q + 1 : INT_MAX;
+  // An allowed pair of a real row i and a real key j has lo_off <= j - i <= hi_off (mask.h, at
+  // position p = i + shift: j <= p causal, p - left <= j <= p + right), in 32 bits.
+  const MaskSpec mask = p.mask();
+  const int64_t shift = blk.n - blk.len_q;
+  int64_t hi64 = INT_MAX, lo64 = INT_MIN;
+  if (mask.causal) hi64 = shift;
+  if (mask.right >= 0 && shift + mask.right < hi64) hi64 = shift + mask.right;
+  if (mask.left >= 0) lo64 = shift - mask.left;
+  const int hi_off = int(hi64 < INT_MIN ? INT_MIN : hi64);
+  const int lo_off = int(lo64 < INT_MIN ? INT_MIN : (lo64 > INT_MAX ? INT_MAX : lo64));
   int stage = 0, phase = 0, step = 0;
   for (int h = h0; h < h0 + group; ++h) {
-    for (int m = blk.m_lo; m < blk.m_end; ++m, ++step) {
+    for (int m = blk.m_lo; m < blk.m_hi; ++m, ++step) {
       const int row0 = m * kBlockM;
       const int buf = step & 1;  // of dS^T and of the dQ partial
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -467,9 +483,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       if (packed && row0 + kBlockM > blk.len_q) zero_q_tail(stage, blk.len_q - row0);
       wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
       wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
-      // Masking: needed unless every row of the block is real and sees every key of this block.
-      const int first_limit = int(allowed_keys(row0, blk.n, blk.len_q, p.is_causal));
-      const bool masked = row0 + kBlockM > blk.len_q || key0 + kBlockN > first_limit;
+      // Masking: needed unless every row of the block is real and sees every key of this block
+      // (both bounds of a row's keys grow with the row: the first row's end, the last's begin).
+      const bool masked = row0 + kBlockM > blk.len_q || key_range(mask, row0, blk.n, blk.len_q).end < key0 + kBlockN ||
+                          key_range(mask, row0 + kBlockM - 1, blk.n, blk.len_q).begin > key0;
       // The rows' lse into registers while the products run (from shared memory after the
       // wait, their latency stalled every warp: 8% of the samples, benchmarks/NOTES.md).
       // Element i = c + 2 h + 4 j of the accumulator (column pair c, row half h, 8-column group
@@ -496,9 +513,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
           z = z_cap * tanh_t[i];
         }
         float prob = ex2_approx(z - stat(lse2, ss.lse2[stage], i));
-        if (masked) {  // allowed_keys() without its 64-bit clamps: real row, real key, not past the diagonal
+        if (masked) {  // key_allowed() in 32 bits: real row, real key, inside [lo_off, hi_off]
           const int key = key0 + int(get<0>(cS(i)));
-          if (row >= blk.len_q || key >= blk.n || key - row >= diag) prob = 0.0f;
+          if (row >= blk.len_q || key >= blk.n || key - row > hi_off || key - row < lo_off) prob = 0.0f;
         }
         tSrS(i) = prob;
       }
@@ -619,7 +636,8 @@ __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const
   BwdBlock<kBlockM> blk{};
   blk.locate(p, b);
   if (m >= blk.m_end) return;
-  const bool seen = blk.key_blocks_seen(p, m) > 0;
+  const int2 seen_blocks = blk.key_blocks(p, m);
+  const bool seen = seen_blocks.y > seen_blocks.x;
   const float* src = bp.dq_accum + blk.dq_unit(p, num_slots, h, m) * (kBlockM * kHeadDim) +
                      (ct / 128) * Tr::kDqHalf + 4 * (ct % 128);
 #pragma unroll

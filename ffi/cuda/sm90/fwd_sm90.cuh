@@ -138,9 +138,12 @@ struct Unit {
   int len_q;      // query rows of sequence b (seqlen_q in the padded batch)
   int rows;       // query rows of the unit: 0 for an empty slot
   int n;          // valid keys of sequence b, clamped into [0, seqlen_k]
-  int min_limit;  // allowed keys of the unit's first row; tiles below it need no mask
-  int key_end;    // allowed keys of its last row: key tiles at or past it are never loaded
-  int n_tiles;    // ceil(key_end / kBlockN)
+  // Its rows' allowed keys (mask.h, key_range; both bounds grow with the row):
+  int min_limit;  // end of the first row's keys: tiles that end at or before it need no right mask
+  int max_first;  // first key of the last row: tiles that start at or after it need no left mask
+  int key_end;    // end of the last row's keys: key tiles at or past it are never loaded
+  int n_tiles;    // ceil(key_end / kBlockN): one past the last tile
+  int t_begin;    // the first row's first key / kBlockN: tiles below it are never loaded
 };
 
 template <typename Tr>
@@ -169,14 +172,20 @@ __device__ __forceinline__ Unit decode_unit(const KernelParams<Tr>& kp, const Sh
   w.m_block = blocks - 1 - rem / int(p.num_heads);
   w.h = rem % int(p.num_heads);
   if (w.m_block < 0) {
-    w.rows = w.min_limit = w.key_end = w.n_tiles = 0;
+    w.rows = w.min_limit = w.max_first = w.key_end = w.n_tiles = w.t_begin = 0;
     return w;
   }
   const int row0 = w.m_block * Tr::kBlockM;
   w.rows = w.len_q - row0 < Tr::kBlockM ? w.len_q - row0 : Tr::kBlockM;
-  w.min_limit = int(allowed_keys(row0, w.n, w.len_q, p.is_causal));
-  w.key_end = int(allowed_keys(row0 + w.rows - 1, w.n, w.len_q, p.is_causal));
-  w.n_tiles = (w.key_end + Tr::kBlockN - 1) / Tr::kBlockN;
+  const Range first = key_range(p.mask(), row0, w.n, w.len_q);
+  const Range last = key_range(p.mask(), row0 + w.rows - 1, w.n, w.len_q);
+  w.min_limit = int(first.end);
+  w.max_first = int(last.begin);
+  w.key_end = int(last.end);
+  w.t_begin = int(first.begin) / Tr::kBlockN;
+  // No tile when no row may see a key (the union of the rows' ranges is empty).
+  w.n_tiles = w.key_end > first.begin ? (w.key_end + Tr::kBlockN - 1) / Tr::kBlockN : 0;
+  if (w.n_tiles == 0) w.t_begin = 0;
   return w;
 }
 
@@ -375,11 +384,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
         copy(kp.tma_q.with(ss.full_q), tma_q.partition_S(gQ), tQsQ);
       }
       ++q_iter;
-      // K[t] then V[t + 1] (the consumers use V one step behind K), from the last tile down.
+      // K[t] then V[t + 1] (the consumers use V one step behind K), from the last tile down to
+      // t_begin.
       int t = w.n_tiles - 1;
       Barrier::wait(&ss.empty_k[stage], phase ^ 1);
       load_tile(w, t, stage, cute::false_type{});
-      for (; t > 0; --t) {
+      for (; t > w.t_begin; --t) {
         const int stage_v = stage, phase_v = phase;
         advance();
         Barrier::wait(&ss.empty_k[stage], phase ^ 1);
@@ -388,7 +398,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
         load_tile(w, t, stage_v, cute::true_type{});
       }
       Barrier::wait(&ss.empty_v[stage], phase ^ 1);
-      load_tile(w, 0, stage, cute::true_type{});
+      load_tile(w, w.t_begin, stage, cute::true_type{});
       advance();
     }
     return;
@@ -440,13 +450,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     if (u < 0) break;
     const Unit w = decode_unit<Tr>(kp, ss, u);
     const int64_t row_base = int64_t(w.m_block) * kBlockM;  // of the sequence
-    // This thread's two rows (local rows get<0>(cS(0)) and + 8) and their allowed keys.
-    int limit[2];
+    // This thread's two rows (local rows get<0>(cS(0)) and + 8) and their allowed keys [first,
+    // limit) (mask.h, key_range).
+    int first[2], limit[2];
     int64_t row_of[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       row_of[rr] = row_base + get<0>(cS(2 * rr));
-      limit[rr] = row_of[rr] < w.len_q ? int(allowed_keys(row_of[rr], w.n, w.len_q, p.is_causal)) : 0;
+      const Range keys = row_of[rr] < w.len_q ? key_range(p.mask(), row_of[rr], w.n, w.len_q) : Range{0, 0};
+      first[rr] = int(keys.begin);
+      limit[rr] = int(keys.end);
     }
     // Row i of the sequence, head h: out row q_start + i of the pack; lse [packs, heads, pack_rows_q].
     Element* out_unit = out + int64_t(w.pack) * p.out_batch_stride + int64_t(w.q_start) * p.out_row_stride +
@@ -465,8 +478,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
 
     RowSoftmax<kSoftcap> softmax(p.scale, p.softcap);
     auto masked_out_at = [&](int n0) {  // element i of S: key n0 + its column, row half (i / 2) % 2
-      return [&, n0](int i) { return n0 + int(get<1>(cS(i))) >= limit[(i / 2) & 1]; };
+      return [&, n0](int i) {
+        const int key = n0 + int(get<1>(cS(i)));
+        return key >= limit[(i / 2) & 1] || key < first[(i / 2) & 1];
+      };
     };
+    // Tiles that reach past some row's limit or start before some row's first key are masked.
+    auto needs_mask = [&](int n0) { return n0 + kBlockN > w.min_limit || n0 < w.max_first; };
     Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Tr::TileQK{}));
     Tensor tOrO = partition_fragment_C(mma_pv, select<0, 1>(typename Tr::TilePV{}));
     static_assert(decltype(size(tSrS))::value == kNT * 4 && decltype(size(tOrO))::value == kDT * 4);
@@ -489,7 +507,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     // Short units also take turns for their first and last GEMMs, so that one warpgroup's
     // epilogue runs under the other's GEMMs; long units issue those two at once (measured
     // faster there). Both warpgroups see the same unit, so the turns stay paired.
-    const bool edge_turns = w.n_tiles <= kShortUnitTiles;
+    const bool edge_turns = w.n_tiles - w.t_begin <= kShortUnitTiles;
     auto edge_wait = [&] { if (edge_turns) sched_wait(); };
     auto edge_pass = [&] { if (edge_turns) sched_pass(); };
     if (half) {
@@ -517,7 +535,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       --t;
     }
     if (!half) clear(tOrO);
-    if (t >= 0) {  // S, softmax and P of tile t; its P V is the loop's (or the final) product
+    if (t >= w.t_begin) {  // S, softmax and P of tile t; its P V is the loop's (or the final) product
       Barrier::wait(&ss.full_k[stage], phase);
       edge_wait();
       wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
@@ -528,7 +546,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       rescale_rows<kDT * 4>(tOrO.data(), alpha);
       convert_p();
     }
-    for (; t > 0; --t) {
+    for (; t > w.t_begin; --t) {
       // S = Q K[t-1]^T and O += P V[t], issued back to back; the softmax of S runs under PV.
       const int stage_v = stage, phase_v = phase;
       if (t == w.n_tiles - 1 && last_rows < kBlockN && !half) {
@@ -545,16 +563,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       warpgroup_wait<1>();
       release(&ss.empty_k[stage]);
       const int n0 = (t - 1) * kBlockN;
-      softmax.template step<kNT>(tSrS.data(), n0 + kBlockN > w.min_limit, masked_out_at(n0), alpha);
+      softmax.template step<kNT>(tSrS.data(), needs_mask(n0), masked_out_at(n0), alpha);
       warpgroup_wait<0>();
       release(&ss.empty_v[stage_v]);
       rescale_rows<kDT * 4>(tOrO.data(), alpha);
       convert_p();
     }
     release(&ss.empty_q);  // the last Q K^T of this unit is done: the producer may load the next Q
-    if (t == 0) {  // P V of the first tile
+    if (t == w.t_begin) {  // P V of the first tile
       Barrier::wait(&ss.full_v[stage], phase);
-      if (w.n_tiles == 1 && !half && last_rows < kBlockN) zero_v_tail(stage, last_rows, kBlockN);
+      if (w.n_tiles - w.t_begin == 1 && !half && last_rows < kBlockN) zero_v_tail(stage, last_rows, kBlockN);
       edge_wait();
       wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, stage), tOrO);
       edge_pass();
@@ -563,7 +581,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       advance();
     }
 
-    // Epilogue: O / l rounded once; a row decides "no allowed key" by its limit, never by its
+    // Epilogue: O / l rounded once; a row decides "no allowed key" by its range, never by its
     // sum, so NaN or Inf in real data propagates (SPEC: non-finite real data).
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -571,7 +589,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       if (row_of[rr] >= w.len_q) continue;
-      const bool any = limit[rr] > 0;
+      const bool any = limit[rr] > first[rr];
       const float inv = any ? 1.0f / sum : 0.0f;
       Element* o = out_row(rr);
 #pragma unroll
