@@ -13,7 +13,7 @@ set(CMAKE_CUDA_STANDARD 17)
 
 # The head-dim buckets come from the header the dispatch table reads (kHeadDimBuckets), so the
 # instantiations and the table cannot disagree.
-file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/cuda/limits.h" buckets_line REGEX "kHeadDimBuckets\\[\\] =")
+file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/plan/limits.h" buckets_line REGEX "kHeadDimBuckets\\[\\] =")
 string(REGEX MATCHALL "[0-9]+" head_dim_buckets "${buckets_line}")
 
 set(instantiation_dir "${CMAKE_CURRENT_BINARY_DIR}/instantiations")
@@ -87,18 +87,19 @@ function(jax_varlen_instantiate out_var header function)
   set(${out_var} ${files} PARENT_SCOPE)
 endfunction()
 
-# The sm80 kernels (ffi/cuda/sm80/), compiled for every target architecture.
+# The sm80 kernels (ffi/cuda/sm80/) and the portable ones (ffi/cuda/portable/), compiled for
+# every target architecture.
 set(tensor_core_elems "__half:f16" "__nv_bfloat16:bf16")
 set(sm80_sources "")
 jax_varlen_instantiate(sm80_sources cuda/sm80/fwd_tc.cuh jax_varlen::cuda::sm80::run_fwd_tc
                        ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets})
 jax_varlen_instantiate(sm80_sources cuda/sm80/fwd_split.cuh jax_varlen::cuda::sm80::run_fwd_split
                        ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets})
-jax_varlen_instantiate(sm80_sources cuda/sm80/fwd_simt.cuh jax_varlen::cuda::sm80::run_fwd_simt
+jax_varlen_instantiate(sm80_sources cuda/portable/fwd_simt.cuh jax_varlen::cuda::portable::run_fwd_simt
                        ELEMS "float:f32" ${tensor_core_elems})
 jax_varlen_instantiate(sm80_sources cuda/sm80/bwd_tc.cuh jax_varlen::cuda::sm80::run_bwd_tc
                        ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets} PARAMS BackwardParams)
-jax_varlen_instantiate(sm80_sources cuda/sm80/bwd_simt.cuh jax_varlen::cuda::sm80::run_bwd_simt
+jax_varlen_instantiate(sm80_sources cuda/portable/bwd_simt.cuh jax_varlen::cuda::portable::run_bwd_simt
                        ELEMS "float:f32" ${tensor_core_elems} PARAMS BackwardParams)
 
 # The Hopper path (ffi/cuda/sm90/): CuTe/CUTLASS headers from the nvidia-cutlass package (a build
@@ -114,7 +115,7 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
     jax_varlen_instantiate(sm90_sources cuda/sm90/fwd_sm90.cuh jax_varlen::cuda::sm90::run_fwd_sm90
                            ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets})
     # The backward's buckets: those up to kBwdSm90MaxHeadDim (limits.h).
-    file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/cuda/limits.h" bwd_max_line REGEX "kBwdSm90MaxHeadDim =")
+    file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/plan/limits.h" bwd_max_line REGEX "kBwdSm90MaxHeadDim =")
     string(REGEX REPLACE ".*= *([0-9]+).*" "\\1" bwd_max "${bwd_max_line}")
     set(bwd_buckets "")
     foreach(dim IN LISTS head_dim_buckets)
@@ -136,7 +137,7 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
   endif()
 endif()
 
-target_sources(_jax_varlen PRIVATE ffi/cuda/handler.cu ffi/cuda/dispatch.cu ${sm80_sources} ${sm90_objects})
+target_sources(_jax_varlen PRIVATE ffi/xla/cuda.cu ffi/cuda/dispatch.cu ${sm80_sources} ${sm90_objects})
 target_compile_definitions(_jax_varlen PRIVATE JAX_VARLEN_WITH_CUDA)
 target_compile_options(_jax_varlen PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -O3>)

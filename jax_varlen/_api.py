@@ -425,7 +425,7 @@ def attention(
         out, lse = attention_with_grad(query, key, value, lengths, config)
     else:
         # Per-sequence query counts: every sequence is a pack of its own with offsets [0, n_q]
-        # and [0, n_kv] (ffi/params.h), so the packed primitive's kernels, which skip rows past
+        # and [0, n_kv] (ffi/core/params.h), so the packed primitive's kernels, which skip rows past
         # a sequence's length, serve the call unchanged: [B, Sq, H, D] is [N = B packs, Tq =
         # Sq rows, H, D] and lse [B, H, Sq] is [N, H, Tq].
         q_lengths = check_lengths("nonpad_q_seqlen", nonpad_q_seqlen, B, Sq, "Sq")

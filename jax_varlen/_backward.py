@@ -16,9 +16,10 @@ The FFI call is the same on every platform (targets ``_ffi.BWD_CPU_TARGET`` and
 ``_ffi.BWD_CUDA_TARGET``, packed: ``_ffi.PACKED_BWD_*``): the operands in this order; results
 d_query, d_key, d_value and ``delta`` (float32, lse's shape, a workspace that the lowering adds
 and drops), and on CUDA the Hopper kernel's dQ workspace (float32 ``[N, per pack]``, the size
-the plan gives, ``_primitive.cuda_plan``; empty where that kernel never runs); attributes ``scale``
-(f32), ``is_causal`` (bool), ``softcap`` (f32), packed: ``max_seqlen_q``, ``max_seqlen_k``
-(i64). The math is in ffi/params.h (``BackwardParams``): keys at or past ``n_b`` get exactly
+the plan gives, ``_primitive.cuda_plan``; empty where that kernel never runs); attributes, read
+by the handlers as one dictionary (ffi/xla/handler_common.h, ``CallAttrs``): ``scale``
+(f32), ``is_causal`` (bool), ``softcap`` (f32), ``window_left`` and ``window_right`` (i64, -1:
+that side unbounded; optional), packed: ``max_seqlen_q``, ``max_seqlen_k`` (i64). The math is in ffi/core/params.h (``BackwardParams``): keys at or past ``n_b`` get exactly
 zero gradient and are never read, rows with no allowed key contribute nothing, lengths are
 clamped into ``[0, Skv]``; packed rows that no sequence owns get zero gradients.
 """

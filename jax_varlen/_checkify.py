@@ -2,7 +2,7 @@
 
 The rules live on the primitives, so the checks exist only when a caller functionalizes with
 ``checkify.checkify``; plain ``jit`` programs carry no check effect (and ``jax.export`` can
-serialize them). Outside checkify, the kernels clamp what is out of range (ffi/seqlen.h).
+serialize them). Outside checkify, the kernels clamp what is out of range (ffi/core/seqlen.h).
 checkify has no public hook for primitives, so this uses ``jax._src.checkify`` (the rule adapts
 to both of its calling conventions in jax 0.10 to 0.12); should it move, the op still clamps,
 and only the report is lost.

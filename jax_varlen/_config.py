@@ -21,7 +21,7 @@ class AttentionConfig:
         ``[0, n_kv]``; checks then name those arguments (``_checkify.py``).
       window_left, window_right: the local window (``local_window_size``) around each query's
         tail-aligned position ``p``: keys ``p - window_left .. p + window_right``; ``-1`` leaves
-        that side unbounded (both ``-1``: no window). ffi/mask.h, ``MaskSpec``.
+        that side unbounded (both ``-1``: no window). ffi/core/mask.h, ``MaskSpec``.
     """
 
     scale: float

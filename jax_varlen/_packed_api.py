@@ -200,7 +200,7 @@ def packed_attention(
     )
     return_lse = check_flag("return_lse", return_lse)
     sinks = check_sinks(sinks, query.shape[1])
-    # One pack (the leading axis of the primitive, ffi/params.h): [1, Tq, H, D] and so on.
+    # One pack (the leading axis of the primitive, ffi/core/params.h): [1, Tq, H, D] and so on.
     out, lse = packed_attention_with_grad(query[None], key[None], value[None], cu_q[None],
                                           cu_k[None], config)
     if sinks is not None:  # the rows a sequence owns: [0, cu_seqlens_q[-1])

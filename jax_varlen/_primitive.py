@@ -6,7 +6,7 @@ per-platform lowering, one set of rules for both.
 ``packed_attention_fwd_p``, operands (``_packed_api`` adds the leading axis):
   query [N, Tq, H, D], key [N, Tk, Hkv, D], value [N, Tk, Hkv, Dv], cu_seqlens_q and
   cu_seqlens_k int32 [N, B + 1]: N packs (1 from the public API, more under vmap) of B
-  sequences each (ffi/params.h)
+  sequences each (ffi/core/params.h)
 Results of both:
   out [N, Sq, H, Dv] (dtype of query), lse float32 [N, H, Sq] (packed: Sq = Tq)
 Static parameter: ``config``, one frozen :class:`AttentionConfig` (packed: with the
@@ -137,7 +137,7 @@ def cuda_plan(avals_in, config: AttentionConfig) -> dict:
     operands: paths, head-dim bucket and every workspace's float32 elements per pack. The CUDA
     handler makes the same plan from the same shapes and rejects workspaces of other sizes.
 
-    Its inputs are named as in ffi/params.h: the padded batch is a pack per sequence; the packed
+    Its inputs are named as in ffi/core/params.h: the padded batch is a pack per sequence; the packed
     layout's ``cu_seqlens_q`` [N, B + 1] gives B sequences per pack and the ``max_seqlen_q/k``
     hints the grids' extents. No workspace depends on the number of packs (which may be
     symbolic here), so the plan is asked for one.
@@ -187,7 +187,7 @@ def cuda_plan(avals_in, config: AttentionConfig) -> dict:
 def workspace_aval(avals_in, per_pack: int) -> jax.core.ShapedArray:
     """A float32 workspace of the CUDA call, ``[N, per_pack]``: like every operand it leads with
     the packs (the batch), so XLA's batch partitioner splits it with them; the layout inside is
-    the kernels' (ffi/params.h, ffi/cuda/limits.h)."""
+    the kernels' (ffi/core/params.h, ffi/plan/limits.h)."""
     return jax.core.ShapedArray((avals_in[0].shape[0], per_pack), jnp.float32)
 
 

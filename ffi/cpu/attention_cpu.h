@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "params.h"
+#include "core/params.h"
 
 namespace jax_varlen::cpu {
 

@@ -8,7 +8,7 @@
 #include "cpu/gemm.h"
 #include "cpu/load.h"
 #include "cpu/numeric.h"
-#include "seqlen.h"
+#include "core/seqlen.h"
 
 // This file is compiled once per instruction set (CMakeLists.txt): JV_CPU_ISA names the
 // namespace of this copy, e.g. jax_varlen::cpu::avx2 built with -mavx2 -mfma. Everything below

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "params.h"
+#include "core/params.h"
 
 namespace jax_varlen::cpu {
 

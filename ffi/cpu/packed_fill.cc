@@ -4,7 +4,7 @@
 #include <cstring>
 #include <limits>
 
-#include "seqlen.h"
+#include "core/seqlen.h"
 
 namespace jax_varlen::cpu {
 namespace {

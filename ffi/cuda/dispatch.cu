@@ -10,18 +10,18 @@
 //   sm90 one pass compute capability 9,  the same with longer queries, Skv >= 1,     sm90::run_fwd_sm90
 //                 built with sm_90a      extents within 32-bit coordinates
 //   sm80 one pass compute capability 8+  the same with longer queries                sm80::run_fwd_tc
-//   portable      any                    everything else (float32 on an exact fp32  sm80::run_fwd_simt
+//   portable      any                    everything else (float32 on an exact fp32  portable::run_fwd_simt
 //                                        path, odd head sizes)
-// Packed calls (cu_seqlens set) run common/packed_fill.cuh first (the rows no sequence owns),
+// Packed calls (cu_seqlens set) run portable/packed_fill.cuh first (the rows no sequence owns),
 // then the same kernels as padded ones (every kernel reads sequences through SeqlenInfo).
-// Backward (after common/bwd_preprocess.cuh, for every path):
+// Backward (after portable/bwd_preprocess.cuh, for every path):
 //   sm90          compute capability 9,  the tensor-core shapes, a bucket up to      sm90::run_bwd_sm90
 //                 built with sm_90a      kBwdSm90MaxHeadDim, Sq, Skv >= 1, extents
 //                                        within 32-bit coordinates (the plan sized
 //                                        its dQ workspace)
 //   sm80 tensor   compute capability 8+  f16/bf16, D and Dv multiples of 8           sm80::run_bwd_tc
 //   cores
-//   portable      any                    everything else                            sm80::run_bwd_simt
+//   portable      any                    everything else                            portable::run_bwd_simt
 // Chosen here at run time, since only the buffers' addresses tell (XLA's buffers are aligned;
 // these are the second line of defence):
 //   - a tensor-core path whose q, k, v, out (backward: also d_out, d_q, d_k, d_v) are not all
@@ -33,8 +33,8 @@
 #include <type_traits>
 #include <utility>
 
-#include "cuda/common/bwd_preprocess.cuh"
-#include "cuda/common/packed_fill.cuh"
+#include "cuda/portable/bwd_preprocess.cuh"
+#include "cuda/portable/packed_fill.cuh"
 #include "cuda/launch.h"
 
 namespace jax_varlen::cuda {
@@ -90,12 +90,12 @@ constexpr BwdPathKernels kBwdSm90 = tensor_core_path<BwdFn>([](auto elem, auto d
 #endif
 
 // The portable kernels take every head size: one entry per dtype, in every bucket.
-constexpr PathKernels kPortable = every_bucket<FwdFn>(&sm80::run_fwd_simt<float>, &sm80::run_fwd_simt<__half>,
-                                                      &sm80::run_fwd_simt<__nv_bfloat16>);
+constexpr PathKernels kPortable = every_bucket<FwdFn>(&portable::run_fwd_simt<float>, &portable::run_fwd_simt<__half>,
+                                                      &portable::run_fwd_simt<__nv_bfloat16>);
 constexpr BwdPathKernels kBwdSm80 = tensor_core_path<BwdFn>(
     [](auto elem, auto dim) { return &sm80::run_bwd_tc<typename decltype(elem)::type, decltype(dim)::value>; });
 constexpr BwdPathKernels kBwdPortable = every_bucket<BwdFn>(
-    &sm80::run_bwd_simt<float>, &sm80::run_bwd_simt<__half>, &sm80::run_bwd_simt<__nv_bfloat16>);
+    &portable::run_bwd_simt<float>, &portable::run_bwd_simt<__half>, &portable::run_bwd_simt<__nv_bfloat16>);
 constexpr BwdFn kBwdPreprocess[] = {&run_bwd_preprocess<float>, &run_bwd_preprocess<__half>,
                                     &run_bwd_preprocess<__nv_bfloat16>};
 

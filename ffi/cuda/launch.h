@@ -7,8 +7,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "cuda/limits.h"
-#include "params.h"
+#include "core/params.h"
+#include "plan/limits.h"
 #include "plan/plan.h"
 
 namespace jax_varlen::cuda {
@@ -21,17 +21,21 @@ cudaError_t run_fwd_tc(const AttentionParams& p, cudaStream_t stream);
 // Split-KV decode path (p.split_keys > 0): partials into p.workspace, then a merge kernel.
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream);
-// Portable SIMT kernel (any sm, Elem float, __half or __nv_bfloat16, any head size up to
-// kMaxHeadDim): exact fp32, odd head sizes, unaligned buffers.
-template <typename Elem>
-cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream);
-// Backward, after the preprocess (common/bwd_preprocess.cuh) wrote bp.delta. Tensor cores:
-// dK/dV and dQ kernels (bwd_tc.cuh); portable: the same two on SIMT, exact fp32 (bwd_simt.cuh).
+// Backward, after the preprocess (portable/bwd_preprocess.cuh) wrote bp.delta: dK/dV and dQ
+// kernels (bwd_tc.cuh).
 template <typename Elem, int kHeadDim>
 cudaError_t run_bwd_tc(const BackwardParams& bp, cudaStream_t stream);
+}  // namespace sm80
+
+namespace portable {
+// SIMT kernels (ffi/cuda/portable/; any sm, Elem float, __half or __nv_bfloat16, any head size
+// up to kMaxHeadDim): exact fp32, odd head sizes, unaligned buffers. Forward (fwd_simt.cuh), and
+// the backward's dK/dV and dQ kernels after the preprocess (bwd_simt.cuh).
+template <typename Elem>
+cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream);
 template <typename Elem>
 cudaError_t run_bwd_simt(const BackwardParams& bp, cudaStream_t stream);
-}  // namespace sm80
+}  // namespace portable
 
 namespace sm90 {
 // Hopper one-pass path (sm_90a only, ffi/cuda/sm90/, its own object library), Elem __half or

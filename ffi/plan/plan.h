@@ -1,8 +1,8 @@
 // make_plan: every decision about a CUDA call that its static shapes fix, made once, here --
 // the forward's and the backward's paths, the head-dim bucket, split-KV, and the size of every
-// workspace. The Python lowering asks it (bindings.cc exports it as plan()) and adds the
+// workspace. The Python lowering asks it (xla/bindings.cc exports it as plan()) and adds the
 // workspaces it gives to the FFI call; the CUDA handler asks it again for the same shapes and the
-// device's compute capability, rejects buffers of any other size (handler.cu), and runs its path
+// device's compute capability, rejects buffers of any other size (xla/cuda.cu), and runs its path
 // (dispatch.cu, where the buffers' alignment, known only at run time, may still choose the
 // portable kernels). CUTLASS's can_implement / get_workspace_size per kernel is the model.
 // Plain C++17 with no CUDA headers: the CPU-only build exports it too.
@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/limits.h"
-#include "params.h"
+#include "plan/limits.h"
+#include "core/params.h"
 
 namespace jax_varlen {
 
@@ -56,7 +56,7 @@ struct Plan {
   int64_t split_keys = 0;
   int64_t split_workspace_per_pack = 0;
   // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
-  // workspace, float32 elements per pack (tiles and counters, layout: cuda/limits.h); all 0
+  // workspace, float32 elements per pack (tiles and counters, layout: plan/limits.h); all 0
   // when the call never takes that kernel.
   int bwd_block_m = 0;
   int64_t dq_slots = 0;

@@ -1,9 +1,9 @@
 // Tensor-core backward (FlashAttention-2 scheme, mma.sync m16n8k16, sm_80+), after the
-// preprocess wrote delta (common/bwd_preprocess.cuh). Two kernels, each output element written
+// preprocess wrote delta (portable/bwd_preprocess.cuh). Two kernels, each output element written
 // by one thread in a fixed order, so the gradients are bitwise deterministic (no atomics):
 //
 //   dK/dV  a block per (64 keys, kv head, sequence). K and V stay in shared memory; the block
-//          walks the packed query rows of the kv head's group (tile_scheduler.h: every query
+//          walks the packed query rows of the kv head's group (block_info.h: every query
 //          head of a GQA group, so dK and dV come out summed over the group) that see its keys,
 //          64 rows a step through a 2-stage cp.async ring of (Q, dO, lse, delta). Warp w owns
 //          keys 16w .. 16w + 15 and computes the transposed products
@@ -28,11 +28,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/common/softmax.h"
-#include "cuda/common/tile_scheduler.h"
+#include "cuda/sm80/softmax.h"
+#include "cuda/sm80/block_info.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile.h"
-#include "params.h"
+#include "core/params.h"
 
 namespace jax_varlen::cuda::sm80 {
 

@@ -11,9 +11,9 @@
 
 #include <cmath>
 
-#include "cuda/common/softmax.h"
-#include "cuda/common/split_layout.h"
-#include "seqlen.h"
+#include "cuda/sm80/softmax.h"
+#include "cuda/sm80/split_layout.h"
+#include "core/seqlen.h"
 
 namespace jax_varlen::cuda::sm80 {
 

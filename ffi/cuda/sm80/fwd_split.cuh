@@ -2,13 +2,13 @@
 // is to stream each valid K/V byte once with every SM busy.
 //
 // Grid: (split, kv head x 16-row block of packed rows, sequence). Packed rows put the query
-// heads of a kv-head group side by side (tile_scheduler.h), so each K/V byte is read once per
+// heads of a kv-head group side by side (block_info.h), so each K/V byte is read once per
 // kv head. A block takes the keys [split * split_keys, (split + 1) * split_keys) of its
 // sequence, clipped to the block's last allowed key; splits past it exit at once. Inside the
 // block each warp is its own mainloop team (mainloop.h): warp w takes tiles w, w + 4, ...
 // through a private two-stage cp.async ring, with Q held in registers. The four warps' softmax
 // states are merged in shared memory, and the block writes a normalized fp32 partial output
-// and a base-2 lse (layout: common/split_layout.h). fwd_combine_kernel then merges the splits
+// and a base-2 lse (layout: sm80/split_layout.h). fwd_combine_kernel then merges the splits
 // of each row in a fixed order: deterministic, and since split_keys is a constant, independent
 // of the batch.
 #pragma once
@@ -17,10 +17,10 @@
 
 #include <cmath>
 
-#include "cuda/common/softmax.h"
-#include "cuda/common/split_layout.h"
-#include "cuda/common/tile_scheduler.h"
-#include "cuda/limits.h"
+#include "cuda/sm80/softmax.h"
+#include "cuda/sm80/split_layout.h"
+#include "cuda/sm80/block_info.h"
+#include "plan/limits.h"
 #include "cuda/sm80/fwd_combine.cuh"
 #include "cuda/sm80/mainloop.h"
 #include "cuda/sm80/ptx.h"

@@ -9,8 +9,8 @@
 
 #include <cmath>
 
-#include "cuda/common/softmax.h"
-#include "cuda/common/tile_scheduler.h"
+#include "cuda/sm80/softmax.h"
+#include "cuda/sm80/block_info.h"
 #include "cuda/sm80/mainloop.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile.h"
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
   const Elem* q = static_cast<const Elem*>(p.q);
   Elem* out = static_cast<Elem*>(p.out);
 
-  // Packed row r -> query position r / group, head g * group + r % group (tile_scheduler.h).
+  // Packed row r -> query position r / group, head g * group + r % group (block_info.h).
   auto q_row = [&](int64_t r) { return q + seq.q_index(p, r / group, g * group + r % group); };
   auto out_row = [&](int64_t r) { return out + seq.out_index(p, r / group, g * group + r % group); };
   auto lse_at = [&](int64_t r) -> float& { return p.lse[seq.lse_index(p, g * group + r % group, r / group)]; };

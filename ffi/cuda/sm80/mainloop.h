@@ -1,7 +1,7 @@
 // The key loop of the sm80 tensor-core kernels, one template for the one-pass (fwd_tc.cuh) and
 // the split-KV (fwd_split.cuh) paths: K and V tiles of kBlockN keys stream through a
 // kStages-deep cp.async ring, S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32
-// accumulators, and the softmax between them is online (common/softmax.h). A warp owns
+// accumulators, and the softmax between them is online (sm80/softmax.h). A warp owns
 // 16 * kMTiles query rows; a team of warps shares each K/V tile. What differs between the two
 // kernels is a parameter:
 //
@@ -26,10 +26,10 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cuda/common/softmax.h"
+#include "cuda/sm80/softmax.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile.h"
-#include "params.h"
+#include "core/params.h"
 
 namespace jax_varlen::cuda::sm80 {
 

@@ -19,7 +19,7 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
 // threads (tid in [0, kThreads)); row r comes from src(r), or is zeros when src(r) is null.
 // Columns past dim are zeros too. Zero-filling copies read nothing; they are handed `base` (any
 // valid address) only to keep the operand sane. Used for Q, whose packed rows are not evenly
-// spaced (common/tile_scheduler.h).
+// spaced (sm80/block_info.h).
 template <int kHeadDim, int kRows, int kThreads, typename Elem, typename Src>
 __device__ __forceinline__ void load_tile(Elem* tile, const Elem* base, int64_t dim, unsigned tid, Src src) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row

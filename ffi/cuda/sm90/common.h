@@ -19,7 +19,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "cuda/launch.h"
-#include "seqlen.h"
+#include "core/seqlen.h"
 
 namespace jax_varlen::cuda::sm90 {
 

@@ -14,7 +14,7 @@
 // O(B^2) compares spread over ceil(B / 256) blocks: ~B / 256 x 256 per thread.
 #pragma once
 
-#include "seqlen.h"
+#include "core/seqlen.h"
 
 namespace jax_varlen::cuda::sm90 {
 

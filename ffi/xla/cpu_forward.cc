@@ -3,7 +3,7 @@
 #include "cpu/attention_cpu.h"
 #include "cpu/packed_fill.h"
 #include "cpu/parallel.h"
-#include "handler_common.h"
+#include "xla/handler_common.h"
 
 namespace jax_varlen {
 namespace {

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "params.h"
+#include "core/params.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_varlen {
@@ -206,7 +206,7 @@ inline ffi::ErrorOr<AttentionParams> make_packed_params(
   return p;
 }
 
-// The backward's buffers (ffi/params.h, BackwardParams), for the forward's params `fwd` (either
+// The backward's buffers (ffi/core/params.h, BackwardParams), for the forward's params `fwd` (either
 // layout): the residuals out and lse; the cotangents d_out (out's shape and dtype) and d_lse
 // (lse's shape); the gradients d_query, d_key, d_value (their inputs' shapes and dtype) and the
 // delta workspace (lse's shape).

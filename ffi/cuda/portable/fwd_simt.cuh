@@ -1,6 +1,6 @@
 // Portable forward for what the tensor-core kernel does not take: float32 inputs (exact fp32,
 // no TF32), head sizes that are not a multiple of 8, and unaligned buffers. One warp owns one
-// packed query row (see common/tile_scheduler.h); lane l holds dims l, l + 32, ... of q and of the
+// packed query row (see sm80/block_info.h); lane l holds dims l, l + 32, ... of q and of the
 // output accumulator. Keys are visited in order; a butterfly sum gives every lane the same
 // bits, so the result is deterministic.
 #pragma once
@@ -11,11 +11,11 @@
 
 #include <cmath>
 
-#include "cuda/common/convert.h"
-#include "cuda/limits.h"
-#include "seqlen.h"
+#include "cuda/portable/convert.h"
+#include "plan/limits.h"
+#include "core/seqlen.h"
 
-namespace jax_varlen::cuda::sm80 {
+namespace jax_varlen::cuda::portable {
 
 constexpr int kSimtWarps = 4;
 constexpr int kSimtPerLane = kMaxHeadDim / 32;  // dims of q and of the accumulator per lane
@@ -83,4 +83,4 @@ cudaError_t run_fwd_simt(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace jax_varlen::cuda::sm80
+}  // namespace jax_varlen::cuda::portable

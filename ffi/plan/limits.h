@@ -20,7 +20,7 @@ constexpr int kMaxHeadDim = kHeadDimBuckets[kNumHeadDimBuckets - 1];
 // derived from the batch, so a sequence's result does not depend on its batch-mates.
 constexpr int kSplitMaxSeqlenQ = 16;
 constexpr int kSplitKeys = 1024;
-// Its workspace (layout: params.h, indices: common/split_layout.h) holds one partial per
+// Its workspace (layout: params.h, indices: sm80/split_layout.h) holds one partial per
 // (sequence, kv head, split, packed row), the packed rows (seqlen_q * group, group = num_heads /
 // kv_num_heads) rounded up to whole kSplitRowBlock-row blocks: the split kernel's MMA tile.
 // Worked example, seqlen_q 3, group 8: 24 rows, padded to 32.

@@ -4,7 +4,7 @@
 #include "cpu/backward_cpu.h"
 #include "cpu/packed_fill.h"
 #include "cpu/parallel.h"
-#include "handler_common.h"
+#include "xla/handler_common.h"
 
 namespace jax_varlen {
 namespace {

@@ -1,8 +1,8 @@
 // Portable backward for what the tensor-core backward does not take: float32 (exact fp32, no
 // TF32), head sizes that are not a multiple of 8, unaligned buffers. Two kernels after the
-// preprocess (common/bwd_preprocess.cuh wrote delta), each output element written by one warp
+// preprocess (portable/bwd_preprocess.cuh wrote delta), each output element written by one warp
 // in a fixed order, so the gradients are deterministic:
-//   dQ:    one warp per packed query row (tile_scheduler.h), walking its allowed keys;
+//   dQ:    one warp per packed query row (block_info.h), walking its allowed keys;
 //   dK/dV: one warp per (key, kv head, sequence), walking the query rows (of every head of
 //          the group) that see the key; keys at or past n_b get zeros and read nothing.
 // Lane l holds dims l, l + 32, ... of the row vectors; dot products are butterfly sums.
@@ -12,11 +12,11 @@
 
 #include <cmath>
 
-#include "cuda/common/convert.h"
-#include "cuda/limits.h"
-#include "seqlen.h"
+#include "cuda/portable/convert.h"
+#include "plan/limits.h"
+#include "core/seqlen.h"
 
-namespace jax_varlen::cuda::sm80 {
+namespace jax_varlen::cuda::portable {
 
 constexpr int kBwdSimtWarps = 4;
 constexpr int kBwdSimtPerLane = kMaxHeadDim / 32;
@@ -154,4 +154,4 @@ cudaError_t run_bwd_simt(const BackwardParams& bp, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace jax_varlen::cuda::sm80
+}  // namespace jax_varlen::cuda::portable

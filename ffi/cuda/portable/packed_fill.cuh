@@ -10,7 +10,7 @@
 
 #include <cmath>
 
-#include "seqlen.h"
+#include "core/seqlen.h"
 
 namespace jax_varlen::cuda {
 

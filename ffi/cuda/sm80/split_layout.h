@@ -1,10 +1,10 @@
-// The split-KV workspace (layout in params.h, sizes in cuda/limits.h): the index of one partial,
+// The split-KV workspace (layout in params.h, sizes in plan/limits.h): the index of one partial,
 // which the split kernel writes and the combine kernel reads. Its size is the plan's
 // (plan/plan.h), which the handler checks against the buffer XLA allocated.
 #pragma once
 
-#include "cuda/limits.h"
-#include "params.h"
+#include "plan/limits.h"
+#include "core/params.h"
 
 namespace jax_varlen::cuda {
 

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "mask.h"
+#include "core/mask.h"
 
 namespace jax_varlen {
 
@@ -72,10 +72,10 @@ struct AttentionParams {
   // and base-2 lse go to `workspace`, and a second kernel merges them in chunk order.
   // split_keys = 0 selects the one-pass kernels; the CUDA handler sets both from the plan
   // (plan/plan.h). Layout, rows_pad = seqlen_q * group rounded up to whole kSplitRowBlock-row
-  // blocks (cuda/limits.h):
+  // blocks (plan/limits.h):
   //   o_part   [batch, kv_num_heads, max_splits, rows_pad, head_dim_v] fp32
   //   lse_part [batch, kv_num_heads, max_splits, rows_pad] fp32, right after o_part
-  // (indices: cuda/common/split_layout.h).
+  // (indices: cuda/sm80/split_layout.h).
   float* workspace;
   int64_t split_keys;
 
@@ -109,7 +109,7 @@ struct BackwardParams {
   void* d_k;            // [batch, seqlen_k, kv_num_heads, head_dim], k's strides
   void* d_v;            // [batch, seqlen_k, kv_num_heads, head_dim_v], v's strides
   float* delta;         // [batch, num_heads, seqlen_q] fp32 workspace (an XLA output)
-  // The Hopper kernel's dQ workspace (cuda/limits.h has the layout, the plan its size;
+  // The Hopper kernel's dQ workspace (plan/limits.h has the layout, the plan its size;
   // dispatch.cu points dq_semaphore and seq_order past the tiles); nullptr on the CPU.
   float* dq_accum;
   int32_t* dq_semaphore;

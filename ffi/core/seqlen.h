@@ -3,7 +3,7 @@
 // kernels serve both front doors unchanged. Host and device.
 #pragma once
 
-#include "params.h"
+#include "core/params.h"
 
 namespace jax_varlen {
 

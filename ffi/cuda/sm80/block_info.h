@@ -8,7 +8,7 @@
 // of a group instead of 1 useful row out of 16.
 #pragma once
 
-#include "seqlen.h"
+#include "core/seqlen.h"
 
 namespace jax_varlen::cuda {
 

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "cuda/launch.h"
-#include "handler_common.h"
+#include "xla/handler_common.h"
 
 namespace jax_varlen {
 namespace {

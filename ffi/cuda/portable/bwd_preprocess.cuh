@@ -7,8 +7,8 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/common/convert.h"
-#include "seqlen.h"
+#include "cuda/portable/convert.h"
+#include "core/seqlen.h"
 
 namespace jax_varlen::cuda {
 
