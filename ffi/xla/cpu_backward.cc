@@ -56,37 +56,8 @@ ffi::Error packed_attention_bwd_cpu(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_attention_bwd_cpu, jax_varlen::attention_bwd_cpu,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::ThreadPool>()                    // XLA's intra-op pool
-        .Arg<xla::ffi::AnyBuffer>()                     // query [B, Sq, H, D]
-        .Arg<xla::ffi::AnyBuffer>()                     // key [B, Skv, Hkv, D]
-        .Arg<xla::ffi::AnyBuffer>()                     // value [B, Skv, Hkv, Dv]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // nonpad_kv_seqlen [B]
-        .Arg<xla::ffi::AnyBuffer>()                     // out [B, Sq, H, Dv]
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [B, H, Sq]
-        .Arg<xla::ffi::AnyBuffer>()                     // d_out [B, Sq, H, Dv], out's dtype
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // d_lse [B, H, Sq]
-        .Ret<xla::ffi::AnyBuffer>()                     // d_query [B, Sq, H, D]
-        .Ret<xla::ffi::AnyBuffer>()                     // d_key [B, Skv, Hkv, D]
-        .Ret<xla::ffi::AnyBuffer>()                     // d_value [B, Skv, Hkv, Dv]
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [B, H, Sq], workspace
-        .Attrs());  // scale, is_causal, softcap, window_left/right (CallAttrs, handler_common.h)
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, /*kPacked=*/false, /*kBackward=*/true, /*kWorkspace=*/false>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_bwd_cpu, jax_varlen::packed_attention_bwd_cpu,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::ThreadPool>()                    // XLA's intra-op pool
-        .Arg<xla::ffi::AnyBuffer>()                     // query [N, Tq, H, D]: N packs
-        .Arg<xla::ffi::AnyBuffer>()                     // key [N, Tk, Hkv, D]
-        .Arg<xla::ffi::AnyBuffer>()                     // value [N, Tk, Hkv, Dv]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_q [N, B + 1]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_k [N, B + 1]
-        .Arg<xla::ffi::AnyBuffer>()                     // out [N, Tq, H, Dv]
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [N, H, Tq]
-        .Arg<xla::ffi::AnyBuffer>()                     // d_out [N, Tq, H, Dv], out's dtype
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // d_lse [N, H, Tq]
-        .Ret<xla::ffi::AnyBuffer>()                     // d_query [N, Tq, H, D]
-        .Ret<xla::ffi::AnyBuffer>()                     // d_key [N, Tk, Hkv, D]
-        .Ret<xla::ffi::AnyBuffer>()                     // d_value [N, Tk, Hkv, Dv]
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // delta [N, H, Tq], workspace
-        .Attrs());  // scale, is_causal, softcap, max_seqlen_q/k, window_left/right (CallAttrs)
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, /*kPacked=*/true, /*kBackward=*/true, /*kWorkspace=*/false>()));

@@ -47,25 +47,8 @@ ffi::Error packed_attention_fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_attention_fwd_cpu, jax_varlen::attention_fwd_cpu,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::ThreadPool>()                    // XLA's intra-op pool
-        .Arg<xla::ffi::AnyBuffer>()                     // query [B, Sq, H, D]
-        .Arg<xla::ffi::AnyBuffer>()                     // key [B, Skv, Hkv, D]
-        .Arg<xla::ffi::AnyBuffer>()                     // value [B, Skv, Hkv, Dv]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // nonpad_kv_seqlen [B]
-        .Ret<xla::ffi::AnyBuffer>()                     // out [B, Sq, H, Dv]
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [B, H, Sq]
-        .Attrs());  // scale, is_causal, softcap, window_left/right (CallAttrs, handler_common.h)
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, /*kPacked=*/false, /*kBackward=*/false, /*kWorkspace=*/false>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_fwd_cpu, jax_varlen::packed_attention_fwd_cpu,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::ThreadPool>()                    // XLA's intra-op pool
-        .Arg<xla::ffi::AnyBuffer>()                     // query [N, Tq, H, D]: N packs
-        .Arg<xla::ffi::AnyBuffer>()                     // key [N, Tk, Hkv, D]
-        .Arg<xla::ffi::AnyBuffer>()                     // value [N, Tk, Hkv, Dv]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_q [N, B + 1]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // cu_seqlens_k [N, B + 1]
-        .Ret<xla::ffi::AnyBuffer>()                     // out [N, Tq, H, Dv]
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // lse [N, H, Tq]
-        .Attrs());  // scale, is_causal, softcap, max_seqlen_q/k, window_left/right (CallAttrs)
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, /*kPacked=*/true, /*kBackward=*/false, /*kWorkspace=*/false>()));

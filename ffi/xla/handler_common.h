@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "core/params.h"
 #include "xla/ffi/api/ffi.h"
@@ -31,6 +32,57 @@ inline ffi::ErrorOr<DType> to_dtype(ffi::DataType t) {
 
 inline ffi::Unexpected<ffi::Error> bad_argument(const std::string& what) {
   return ffi::Unexpected(ffi::Error::InvalidArgument("jax_varlen: " + what));
+}
+
+// The FFI signatures, one helper for every target (forward and backward, padded and packed,
+// CPU and CUDA), in the order the Python lowerings pass buffers (_primitive.py, _backward.py):
+//   operands  query, key, value ([B, Sq, H, D], [B, Skv, Hkv, D], [B, Skv, Hkv, Dv]; packed:
+//             [N, Tq, H, D], [N, Tk, Hkv, D], [N, Tk, Hkv, Dv]),
+//             then nonpad_kv_seqlen [B] (packed: cu_seqlens_q, cu_seqlens_k [N, B + 1]), int32,
+//             on the device;
+//             backward only: out, lse [B, H, Sq] (f32), d_out (out's dtype), d_lse (f32);
+//   results   forward: out, lse; backward: d_query, d_key, d_value, delta (f32, lse's shape: a
+//             workspace); then, with kWorkspace (CUDA), the plan's f32 workspace [N, per pack]
+//             (split-KV partials; the Hopper backward's dQ tiles, counters and sequence order);
+//   attributes  one dictionary (CallAttrs, below).
+// Ctx is the platform's context: the CPU's intra-op thread pool, or XLA's CUDA stream.
+// (Bindings are builders whose steps consume the last and cannot be moved otherwise: every
+// helper appends at least one entry, so each returns a fresh builder.)
+template <bool kPacked, typename B>
+auto bind_lengths(B&& b) {
+  if constexpr (kPacked)
+    return std::move(b).template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::Buffer<ffi::S32>>();  // cu_seqlens_q, _k
+  else
+    return std::move(b).template Arg<ffi::Buffer<ffi::S32>>();  // nonpad_kv_seqlen
+}
+template <bool kBackward, typename B>
+auto bind_outputs(B&& b) {
+  if constexpr (kBackward)
+    return std::move(b)
+        .template Arg<ffi::AnyBuffer>()         // out
+        .template Arg<ffi::Buffer<ffi::F32>>()  // lse
+        .template Arg<ffi::AnyBuffer>()         // d_out
+        .template Arg<ffi::Buffer<ffi::F32>>()  // d_lse
+        .template Ret<ffi::AnyBuffer>()         // d_query
+        .template Ret<ffi::AnyBuffer>()         // d_key
+        .template Ret<ffi::AnyBuffer>()         // d_value
+        .template Ret<ffi::Buffer<ffi::F32>>();  // delta
+  else
+    return std::move(b).template Ret<ffi::AnyBuffer>().template Ret<ffi::Buffer<ffi::F32>>();  // out, lse
+}
+template <bool kWorkspace, typename B>
+auto bind_attrs(B&& b) {
+  if constexpr (kWorkspace) return std::move(b).template Ret<ffi::Buffer<ffi::F32>>().Attrs();  // the plan's
+  else return std::move(b).Attrs();
+}
+template <typename Ctx, bool kPacked, bool kBackward, bool kWorkspace>
+auto bind_attention() {
+  return bind_attrs<kWorkspace>(bind_outputs<kBackward>(bind_lengths<kPacked>(ffi::Ffi::Bind()
+                                                                                   .Ctx<Ctx>()
+                                                                                   .template Arg<ffi::AnyBuffer>()  // query
+                                                                                   .template Arg<ffi::AnyBuffer>()  // key
+                                                                                   .template Arg<ffi::AnyBuffer>()  // value
+                                                                                   )));
 }
 
 // The static attributes of a call, the same for every handler (forward and backward, CPU and
