@@ -1,5 +1,6 @@
-"""What only the CUDA build has: its head-size limit, CUDA-graph capture of the custom call,
-and a compute-sanitizer memcheck of every kernel.
+"""What only the CUDA build has: the planned path is the one that ran (last_launch()), its
+head-size limit, CUDA-graph capture of the custom call, and a compute-sanitizer memcheck of
+every kernel.
 
 Skips unless jax sees a GPU and jax_varlen was built with its CUDA kernels (see conftest). The
 forward's oracle checks and bitwise properties on the GPU are tests/test_forward.py's ``gpu``
@@ -24,8 +25,53 @@ import pytest
 
 import jax_varlen
 from conftest import make_inputs
+from jax_varlen import _ffi
 
 pytestmark = pytest.mark.gpu
+
+
+# --------------------------------------------------------------------------------------------
+# The plan's path is the one that ran: after each call, the extension's last_launch() (what
+# dispatch.cu launched, cuda/launch_record.h) against plan() for the same shapes on this device.
+
+
+def _compute_major():
+    return int(str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0])
+
+
+# (Sq, Skv, D, dtype): a prefill on the one-pass path (sm90 on Hopper), a decode row on
+# split-KV, float32 and an odd head size on the portable kernels, d256 (no Hopper backward).
+PATH_CASES = {
+    "prefill-d128-bf16": (200, 300, 128, jnp.bfloat16),
+    "decode-d128-bf16": (1, 2500, 128, jnp.bfloat16),
+    "prefill-d64-f32": (64, 96, 64, jnp.float32),
+    "prefill-d36-f16": (64, 96, 36, jnp.float16),
+    "prefill-d256-bf16": (80, 130, 256, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(PATH_CASES), ids=list(PATH_CASES))
+def test_the_planned_path_is_the_one_that_ran(case):
+    Sq, Skv, D, dtype = PATH_CASES[case]
+    B, H, Hkv = 2, 4, 2
+    q, k, v, n = make_inputs(B, Sq, Skv, H, Hkv, D, D, dtype, [Skv, Skv // 3])
+    ext = _ffi.extension()
+    want = ext.plan(dtype=jnp.dtype(dtype).name, pack_seqs=1, pack_rows_q=Sq, pack_rows_k=Skv,
+                    seqlen_q=Sq, seqlen_k=Skv, num_heads=H, kv_num_heads=Hkv, head_dim=D,
+                    head_dim_v=D, num_packs=B, compute_major=_compute_major())
+    assert want["unsupported"] == ""
+    fwd = jax.jit(lambda q, k, v, n: jax_varlen.attention(q, k, v, n, is_causal=True))
+    jax.block_until_ready(fwd(q, k, v, n))
+    ran = ext.last_launch()
+    assert ran["fwd_path"] == want["fwd_path"]
+    assert ran["split_keys"] == want["split_keys"]
+    loss = lambda q, k, v: jnp.sum(fwd(q, k, v, n).astype(jnp.float32))  # noqa: E731
+    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    assert ext.last_launch()["bwd_path"] == want["bwd_path"]
+    if _compute_major() == 9 and case == "prefill-d128-bf16":  # the Hopper kernels, both ways
+        assert (want["fwd_path"], want["bwd_path"]) == ("sm90_one_pass", "sm90")
+    if case == "decode-d128-bf16":
+        assert want["fwd_path"] == "sm80_split" and want["split_keys"] > 0
 
 
 # --------------------------------------------------------------------------------------------

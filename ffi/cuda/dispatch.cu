@@ -29,6 +29,7 @@
 //   - the sm90 backward with a dQ workspace that is not 16-byte aligned runs the sm80 one.
 // A workspace of another size than the plan's never gets here: the handler rejects it.
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -120,6 +121,20 @@ constexpr const BwdPathKernels* kBwdPaths[] = {&kBwdPortable, &kBwdSm80,
 
 }  // namespace
 
+namespace {
+// The last launch (launch_record.h), one word per field; relaxed: a test reads it after the call.
+std::atomic<int> last_fwd_path{-1}, last_bwd_path{-1};
+std::atomic<int64_t> last_split_keys{0};
+}  // namespace
+
+LaunchRecord last_launch() {
+  LaunchRecord r;
+  r.fwd_path = last_fwd_path.load(std::memory_order_relaxed);
+  r.bwd_path = last_bwd_path.load(std::memory_order_relaxed);
+  r.split_keys = last_split_keys.load(std::memory_order_relaxed);
+  return r;
+}
+
 int device_major() {
   constexpr int kCachedDevices = 64;
   static int cached[kCachedDevices] = {};
@@ -133,9 +148,12 @@ int device_major() {
 
 cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t stream) {
   const bool aligned = aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out);
-  const PathKernels* kernels = kFwdPaths[int(aligned ? plan.fwd_path : FwdPath::kPortable)];
+  const FwdPath path = aligned ? plan.fwd_path : FwdPath::kPortable;
+  const PathKernels* kernels = kFwdPaths[int(path)];
   const FwdFn fn = kernels == nullptr ? nullptr : (*kernels)[int(p.dtype)][plan.bucket];
   if (fn == nullptr) return cudaErrorInvalidValue;
+  last_fwd_path.store(int(path), std::memory_order_relaxed);
+  last_split_keys.store(path == FwdPath::kSm80Split ? p.split_keys : 0, std::memory_order_relaxed);
   if (p.cu_seqlens_q != nullptr) {
     const cudaError_t err = run_packed_fill(p, stream);
     if (err != cudaSuccess) return err;
@@ -154,6 +172,7 @@ cudaError_t run_bwd(const BackwardParams& bp, const Plan& plan, cudaStream_t str
   const BwdPathKernels* kernels = kBwdPaths[int(path)];
   const BwdFn fn = kernels == nullptr ? nullptr : (*kernels)[int(p.dtype)][plan.bucket];
   if (fn == nullptr) return cudaErrorInvalidValue;
+  last_bwd_path.store(int(path), std::memory_order_relaxed);
   BackwardParams args = bp;
   if (path == BwdPath::kSm90) {  // its counters follow the tiles, the sequence order them (limits.h)
     args.dq_semaphore = reinterpret_cast<int32_t*>(bp.dq_accum + plan.dq_accum_floats(p.num_packs, p.num_heads));

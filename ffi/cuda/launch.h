@@ -9,6 +9,7 @@
 
 #include "core/params.h"
 #include "plan/limits.h"
+#include "cuda/launch_record.h"
 #include "plan/plan.h"
 
 namespace jax_varlen::cuda {
@@ -56,5 +57,6 @@ int device_major();
 // the path the buffers' alignment leaves (dispatch.cu).
 cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t stream);
 cudaError_t run_bwd(const BackwardParams& bp, const Plan& plan, cudaStream_t stream);
+
 
 }  // namespace jax_varlen::cuda

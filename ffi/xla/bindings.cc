@@ -9,6 +9,9 @@
 
 #include "plan/plan.h"
 #include "xla/ffi/api/c_api.h"
+#ifdef JAX_VARLEN_WITH_CUDA
+#include "cuda/launch_record.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -104,6 +107,21 @@ NB_MODULE(_jax_varlen, m) {
       nb::kw_only(), nb::arg("dtype"), nb::arg("pack_seqs"), nb::arg("pack_rows_q"), nb::arg("pack_rows_k"),
       nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("num_heads"), nb::arg("kv_num_heads"),
       nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("num_packs") = 1, nb::arg("compute_major") = 0);
+  // last_launch() -> dict or None: the path and split-KV chunk of the last CUDA forward and
+  // backward this process launched (cuda/launch_record.h; fwd_path/bwd_path None before the first),
+  // for tests that prove which kernel ran. None in a build without CUDA.
+  m.def("last_launch", []() -> nb::object {
+#ifdef JAX_VARLEN_WITH_CUDA
+    const jax_varlen::cuda::LaunchRecord r = jax_varlen::cuda::last_launch();
+    nb::dict d;
+    d["fwd_path"] = r.fwd_path < 0 ? nb::object(nb::none()) : nb::object(nb::str(path_name(jax_varlen::FwdPath(r.fwd_path))));
+    d["bwd_path"] = r.bwd_path < 0 ? nb::object(nb::none()) : nb::object(nb::str(path_name(jax_varlen::BwdPath(r.bwd_path))));
+    d["split_keys"] = r.split_keys;
+    return d;
+#else
+    return nb::none();
+#endif
+  });
   m.attr("with_cuda") =
 #ifdef JAX_VARLEN_WITH_CUDA
       true;
