@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import jax_varlen
-from conftest import bits, check_against_oracle, make_inputs
-from test_packed import make_packed, packed_cotangents, packed_grads, padded_alone
+from conftest import (bits, check_against_oracle, make_inputs, make_packed, packed_cotangents, packed_grads,
+                      padded_alone)
 
 pytestmark = pytest.mark.gpu
 

@@ -18,8 +18,9 @@ import pytest
 from jax.experimental import checkify
 
 import jax_varlen
-from jax_varlen import _export, _ffi
-from conftest import DTYPES, EXPORT_PLATFORM, assert_lse_close, assert_out_close, bits
+from jax_varlen import _export
+from conftest import (DTYPES, EXPORT_PLATFORM, assert_lse_close, assert_out_close, bits, make_packed,
+                      packed_cotangents, packed_grads, padded_alone)
 from jax_varlen._autodiff import PACKED_FORWARD_MODE_MESSAGE, SECOND_ORDER_MESSAGE
 
 GRAD_RTOL = {jnp.dtype(jnp.float32): 5e-5, jnp.dtype(jnp.float16): 4e-3,
@@ -33,92 +34,6 @@ PATTERNS = {
     "decode": ([1, 1, 1], [37, 0, 130]),
     "single": ([40], [40]),
 }
-
-
-def make_packed(lens_q, lens_k, H=4, Hkv=2, D=16, Dv=8, dtype=jnp.float32, tail_q=3, tail_k=5,
-                seed=0, tail_value=np.nan):
-    """Random packed query/key/value with ``tail_q``/``tail_k`` unused rows past the last
-    offset (filled with ``tail_value``), and int32 offsets."""
-    rng = np.random.default_rng(seed)
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    Tq, Tk = int(cu_q[-1]) + tail_q, int(cu_k[-1]) + tail_k
-    q = rng.standard_normal((Tq, H, D), dtype=np.float32)
-    k = rng.standard_normal((Tk, Hkv, D), dtype=np.float32)
-    v = rng.standard_normal((Tk, Hkv, Dv), dtype=np.float32)
-    q[cu_q[-1]:] = tail_value
-    k[cu_k[-1]:] = tail_value
-    v[cu_k[-1]:] = tail_value
-    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
-    return q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k)
-
-
-def packed_cotangents(q, v, seed=1):
-    rng = np.random.default_rng(seed)
-    ct_out = jnp.asarray(rng.standard_normal(q.shape[:2] + v.shape[-1:], dtype=np.float32), q.dtype)
-    ct_lse = jnp.asarray(0.5 * rng.standard_normal((q.shape[1], q.shape[0]), dtype=np.float32))
-    return ct_out, ct_lse
-
-
-@functools.cache
-def _packed_vjp(kw_key):
-    kw = dict(kw_key)
-
-    def pullback(q, k, v, cu_q, cu_k, ct_out, ct_lse):
-        def f(q, k, v):
-            return jax_varlen.packed_attention(q, k, v, cu_q, cu_k, return_lse=True, **kw)
-
-        return jax.vjp(f, q, k, v)[1]((ct_out, ct_lse))
-
-    return jax.jit(pullback)
-
-
-def packed_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, **kw):
-    return _packed_vjp(tuple(sorted(kw.items())))(q, k, v, cu_q, cu_k, ct_out, ct_lse)
-
-
-def cuda_plan(q, k, v, *, pack_seqs, rows, seqlen, dims=None):
-    """The CUDA plan (ffi/plan/plan.h) of a call with the dtype and heads of q [Tq, H, D],
-    k [Tk, Hkv, D], v [Tk, Hkv, Dv] and head sizes ``dims`` (default (D, Dv)): ``pack_seqs``
-    sequences over ``rows`` (query, key) rows per pack, grids of ``seqlen`` (query, key) rows."""
-    head_dim, head_dim_v = dims or (q.shape[2], v.shape[2])
-    return _ffi.extension().plan(
-        dtype=q.dtype.name, pack_seqs=pack_seqs, pack_rows_q=int(rows[0]), pack_rows_k=int(rows[1]),
-        seqlen_q=int(seqlen[0]), seqlen_k=int(seqlen[1]), num_heads=q.shape[1],
-        kv_num_heads=k.shape[1], head_dim=head_dim, head_dim_v=head_dim_v)
-
-
-def padded_alone(q, k, v, cu_q, cu_k, ct_out, ct_lse, b, grid_q, **kw):
-    """Sequence b of a packed call alone through ``attention`` (B = 1, Skv = len_k): its out,
-    lse and gradients (the packed cotangents' rows of b), on the kernel path that the packed
-    call takes. Where the plan gives the packed call (query extent ``grid_q``: max_seqlen_q,
-    else Tq) the one-pass kernels but a padded call of Sq = len_q rows split-KV, the short
-    sequence gets leading query rows of zeros with zero cotangents, as many as the largest row
-    block of any backward. They change no bit of the real rows: rows are
-    independent in the forward, tail alignment counts from the last row, the backward groups
-    rows in blocks that divide the lead, and a block of zero cotangents adds exact zeros to dK
-    and dV."""
-    cq, ck = np.asarray(cu_q), np.asarray(cu_k)
-    rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-    len_q, len_k = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-    Tq, Tk = q.shape[0], k.shape[0]
-    packed = cuda_plan(q, k, v, pack_seqs=len(cq) - 1, rows=(Tq, Tk), seqlen=(grid_q, Tk))
-    alone = lambda rows_q: cuda_plan(  # noqa: E731
-        q, k, v, pack_seqs=1, rows=(rows_q, len_k), seqlen=(rows_q, len_k))
-    lead = 0
-    if not packed["split_keys"] and alone(len_q)["split_keys"]:
-        # The Hopper backward's largest row block (at the smallest head-dim bucket), which every
-        # backward's row block divides (its own at larger buckets, sm80's and the CPU's 64).
-        lead = cuda_plan(q, k, v, pack_seqs=1, rows=(Tq, Tk), seqlen=(Tq, Tk),
-                         dims=(8, 8))["bwd_block_m"]
-        assert not alone(len_q + lead)["split_keys"], "the lead must move the call off split-KV"
-    pad = lambda x, axis=0: jnp.concatenate(  # noqa: E731
-        [jnp.zeros(x.shape[:axis] + (lead,) + x.shape[axis + 1:], x.dtype), x], axis)
-    n = jnp.asarray([ck[b + 1] - ck[b]], jnp.int32)
-    f = lambda q, k, v: jax_varlen.attention(q, k, v, n, return_lse=True, **kw)  # noqa: E731
-    (out, lse), pullback = jax.vjp(f, pad(q[rq])[None], k[rk][None], v[rk][None])
-    d_q, d_k, d_v = pullback((pad(ct_out[rq])[None], pad(ct_lse[:, rq], 1)[None]))
-    return out[0, lead:], lse[0, :, lead:], d_q[0, lead:], d_k[0], d_v[0]
 
 
 # --------------------------------------------------------------------------------------------
