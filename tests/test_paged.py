@@ -23,7 +23,8 @@ import jax_varlen
 from conftest import DTYPES, RTOL, assert_lse_close, assert_out_close, backend_cases, bits
 
 _STATIC = ("max_seqlen_q", "num_heads", "kv_num_heads", "scale", "is_causal", "softcap",
-           "return_lse")
+           "local_window_size", "return_lse")
+_SINKS4 = np.array([0.5, -1.0, 2.0, 0.0], np.float32)  # [H = 4]: one logit per query head
 
 
 def _paged(seqlens, page_size, max_pages, Hkv, D, Dv, dtype, *, seed=0, pad=np.nan,
@@ -156,6 +157,14 @@ _CPU = {
                         dict(is_causal=True)),
     "mixed-p16-f16": ("packed", "f16", 16, 4, 4, 2, 32, 32, [50, 16, 3], [5, 1, 3],
                       dict(is_causal=True)),
+    # A sliding window and sinks (issue 34), passed through to attention.
+    "speculative-p5-window-sinks": ("padded", "f32", 5, 9, 4, 2, 16, 16, [41, 9, 0, 3], 4,
+                                    dict(is_causal=True, local_window_size=(6, 0),
+                                         sinks=_SINKS4)),
+    "mixed-p16-window-pair": ("packed", "f32", 16, 4, 4, 2, 16, 16, [50, 17, 1, 0], [9, 1, 1, 0],
+                              dict(local_window_size=(12, 2))),
+    "mixed-p16-sinks": ("packed", "bf16", 16, 4, 4, 2, 32, 32, [60, 5, 0], [6, 1, 0],
+                        dict(is_causal=True, sinks=_SINKS4)),
 }
 _GPU = {
     "decode-p16-bf16-d128": ("padded", "bf16", 16, 40, 8, 2, 128, 128, [640, 129, 0, 1], 1,
@@ -167,6 +176,8 @@ _GPU = {
     "mixed-p16-bf16-d128": ("packed", "bf16", 16, 24, 8, 2, 128, 128, [380, 200, 33, 0, 1],
                             [130, 1, 1, 0, 1], dict(is_causal=True)),
     "decode-p1-f32": ("padded", "f32", 1, 300, 4, 2, 64, 64, [300, 1, 0], 1, {}),
+    "mixed-p16-bf16-sinks": ("packed", "bf16", 16, 24, 4, 2, 128, 128, [380, 33, 0, 1],
+                             [130, 1, 0, 1], dict(is_causal=True, sinks=_SINKS4)),
 }
 
 
