@@ -5,7 +5,8 @@ jax.vjp) with the backward alone ("bwd"). The packed layout: jax_varlen.packed_a
 ("jax_varlen_packed") and FA3's flash_mha_varlen ("fa3_packed") on the same valid tokens with
 the padding dropped (class Packed). A shape with `lengths_q` (padded query rows, e.g.
 prefill-right-padded) passes them as nonpad_q_seqlen / query_seq_lengths / seqused_q; a shape
-an impl cannot run (paged or windowed shapes, a packed-layout shape for a padded impl, padded
+an impl cannot run (paged shapes, a windowed shape for an impl without a window, a
+packed-layout shape for a padded impl, padded
 query rows for an impl without a query-length argument) gets a record with the reason in
 `skipped` (skip_reason).
 
@@ -144,6 +145,8 @@ def shrink(shape):
     s["lengths"] = [min(s["Skv"], max(1, n // SMOKE_DIV)) for n in shape["lengths"][:2]]
     if "lengths_q" in shape:
         s["lengths_q"] = [min(s["Sq"], max(1, n // SMOKE_DIV)) for n in shape["lengths_q"][:2]]
+    if shape.get("local_window_size") is not None:  # the window shrinks with the keys
+        s["local_window_size"] = [w // SMOKE_DIV for w in metrics.window_pair(shape["local_window_size"])]
     s["B"] = len(s["lengths"])
     return s
 
@@ -316,10 +319,13 @@ def fa3_fn():
             "flash_mha_varlen takes no seqused_q: padded query rows (lengths_q) would be "
             "computed as real ones (causal: with the diagonal shifted)")
 
-    def fn(q, k, v, n, n_q=None, *, scale, is_causal, num_splits=None):
+    def fn(q, k, v, n, n_q=None, *, scale, is_causal, num_splits=None, window=None):
         b, sq, h, d = q.shape
         skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
         n = n.astype(jnp.int32)
+        if window is not None:  # full lengths only (skip_reason): the fixed-length kernel
+            return fa3.flash_mha(q, k, v, softmax_scale=float(scale), is_causal=is_causal,
+                                 window_size=tuple(window))
         if sq == 1 and d == dv:
             splits = num_splits or fa3_default_splits(b, h, skv)
             return flash_mha_with_kvcache(q, k, v, cache_seqlens=n, softmax_scale=float(scale),
@@ -347,19 +353,33 @@ def jax_varlen_fn(jax_varlen):
         NO_Q_LENGTHS[report.OURS] = ("this build's jax_varlen.attention takes no "
                                      "nonpad_q_seqlen (padded query rows)")
 
-    def fn(q, k, v, n, n_q=None, *, scale, is_causal):
+    def fn(q, k, v, n, n_q=None, *, scale, is_causal, window=None):
         used_q = {} if n_q is None else {"nonpad_q_seqlen": n_q}
-        return jax_varlen.attention(q, k, v, n, scale=scale, is_causal=is_causal, **used_q)
+        return jax_varlen.attention(q, k, v, n, scale=scale, is_causal=is_causal,
+                                    local_window_size=window, **used_q)
+    return fn
+
+
+def jax_varlen_packed_fn(jax_varlen):
+    """jax_varlen.packed_attention as a packed impl (the window as local_window_size)."""
+    def fn(q, k, v, cu_q, cu_k, *, scale, is_causal, max_seqlen_q, max_seqlen_k, window=None):
+        return jax_varlen.packed_attention(q, k, v, cu_q, cu_k, scale=scale, is_causal=is_causal,
+                                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                           local_window_size=window)
     return fn
 
 
 def jax_nn_fn(implementation):
     """jax.nn.dot_product_attention (top-left causal) as a padded impl: key_value_seq_lengths
     = lengths and, on shapes with padded query rows, query_seq_lengths = lengths_q."""
-    def fn(q, k, v, n, n_q=None, *, scale, is_causal):
+    def fn(q, k, v, n, n_q=None, *, scale, is_causal, window=None):
+        # With a window, no lengths: jax.nn's cuDNN path rejects a window with them (jax-ml/jax
+        # #39576); skip_reason keeps windowed peers to full lengths, where they change nothing.
         return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=n_q,
-                                            key_value_seq_lengths=n, scale=scale,
-                                            is_causal=is_causal, implementation=implementation)
+                                            key_value_seq_lengths=None if window else n,
+                                            scale=scale, is_causal=is_causal,
+                                            implementation=implementation,
+                                            local_window_size=window)
     return fn
 
 
@@ -373,7 +393,7 @@ def build_impls(names, jax_varlen, import_errors):
                 impls[name] = (jax_varlen_fn(jax_varlen), metrics.TAIL)
         elif name == OURS_PACKED:
             if jax_varlen is not None:
-                impls[name] = (jax_varlen.packed_attention, metrics.TAIL)
+                impls[name] = (jax_varlen_packed_fn(jax_varlen), metrics.TAIL)
             else:
                 import_errors[name] = import_errors.get(report.OURS, "jax_varlen not imported")
         elif name in (FA3, FA3_PACKED):
@@ -487,7 +507,14 @@ def skip_reason(impl, shape, pass_):
     if layout not in ("padded", "packed"):
         return f"layout {layout!r}: not run by bench.py"
     if shape.get("local_window_size") is not None:
-        return "local_window_size: bench.py does not run sliding-window attention yet"
+        if impl == FA3_PACKED:
+            return "flash_attn3_jax's flash_mha_varlen takes no window_size"
+        ragged = metrics.has_q_padding(shape) or any(n != shape["Skv"] for n in shape["lengths"])
+        if impl == FA3 and ragged:
+            return ("flash_attn3_jax's windowed kernel (flash_mha) is fixed-length: "
+                    "ragged lengths are not comparable")
+        if impl in PEERS and ragged:
+            return "jax.nn's cuDNN path takes no sequence lengths with a local window"
     if pass_ != "fwd" and shape.get("train") is False:
         return "forward only (train: false in shapes.json)"
     if layout == "packed" and impl not in PACKED_IMPLS:
@@ -534,11 +561,14 @@ def run_fwd(name, shape, dtype, impls, import_errors, args, base_record, clock):
     sets = [make_set(shape, dtype, args.seed, i) for i in range(n_sets)]
     scale = 1.0 / math.sqrt(shape["D"])
     lengths_q = shape.get("lengths_q")
+    window = metrics.window_pair(shape.get("local_window_size"))
+    win = {} if window is None else {"window": window}  # the impls' local window
     ref = None
     if not decode:  # fp32 reference on the first sequences (real query rows), tail-aligned
         q, k, v, lengths = (x[:CHECK_SEQS] for x in sets[0][:4])
         ref = metrics.reference(q, k, v, lengths, scale=scale, is_causal=shape["causal"],
-                                lengths_q=None if lengths_q is None else lengths_q[:CHECK_SEQS])
+                                lengths_q=None if lengths_q is None else lengths_q[:CHECK_SEQS],
+                                window=window)
     repeats, target_s = TIMING["fwd-quick" if args.quick else "fwd"]
     nbytes = metrics.bytes_moved(shape, dtype.itemsize)
 
@@ -560,7 +590,7 @@ def run_fwd(name, shape, dtype, impls, import_errors, args, base_record, clock):
         timed = {}
         for key, vfn in variants.items():
             jitted = jax.jit(lambda *args, fn=vfn: fn(*args, scale=scale,
-                                                      is_causal=shape["causal"], **hints))
+                                                      is_causal=shape["causal"], **hints, **win))
             try:
                 out = unpack(jax.block_until_ready(jitted(*impl_sets[0])))
                 if ref is not None:
@@ -618,10 +648,12 @@ def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock
     scale = 1.0 / math.sqrt(shape["D"])
     causal = shape["causal"]
     lengths_q = shape.get("lengths_q")
+    window = metrics.window_pair(shape.get("local_window_size"))
+    win = {} if window is None else {"window": window}  # the impls' local window
     q, k, v, lengths = (x[:CHECK_SEQS] for x in sets[0][:4])
     ref_grads, has_key = metrics.reference_grads(
         q, k, v, lengths, sets[0][-1][:CHECK_SEQS], scale=scale, is_causal=causal,
-        lengths_q=None if lengths_q is None else lengths_q[:CHECK_SEQS])
+        lengths_q=None if lengths_q is None else lengths_q[:CHECK_SEQS], window=window)
     repeats, target_s = TIMING["train-quick" if args.quick else "train"]
     budget = args.step_budget_s
 
@@ -632,7 +664,8 @@ def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock
         impl_sets = [packing.pack(*s) for s in sets] if packing else sets
         hints = packing.hints if packing else {}
         unpack = packing.unpack_grads if packing else (lambda grads: grads)
-        fwd = jax.jit(lambda *args, fn=fn: fn(*args, scale=scale, is_causal=causal, **hints))
+        fwd = jax.jit(lambda *args, fn=fn: fn(*args, scale=scale, is_causal=causal, **hints,
+                                              **win))
 
         def step(q, k, v, *rest, fwd=fwd):
             *aux, dout = rest

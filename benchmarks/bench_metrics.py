@@ -127,13 +127,14 @@ def bytes_moved(shape, itemsize):
     return (kv + q + o) * itemsize
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal",))
-def _reference_rows(q, k, v, lengths, lengths_q, q_start, *, scale, is_causal):
+@functools.partial(jax.jit, static_argnames=("is_causal", "window"))
+def _reference_rows(q, k, v, lengths, lengths_q, q_start, *, scale, is_causal, window=None):
     """fp32 masked softmax attention, tail-aligned causal, for a chunk of query rows.
 
     q: [B, C, H, D] (rows q_start .. q_start + C - 1 of Sq); k: [B, Skv, Hkv, D];
     v: [B, Skv, Hkv, Dv]; lengths: [B] int32 keys; lengths_q: [B] int32 real query rows (rows
-    i >= lengths_q[b] are padding and see no key).
+    i >= lengths_q[b] are padding and see no key); window: None or (left, right), keys
+    p - left .. p + right of the row's tail-aligned position p = i + n - n_q.
     Returns out [B, C, H, Dv] fp32 and has_key [B, C] (False where a row sees no key; out is 0).
     """
     b, c, h, d = q.shape
@@ -149,6 +150,9 @@ def _reference_rows(q, k, v, lengths, lengths_q, q_start, *, scale, is_causal):
     allowed = (j < n) & (i < n_q)  # [B, C, Skv]
     if is_causal:
         allowed = allowed & (j <= i + n - n_q)
+    if window is not None:
+        left, right = window
+        allowed = allowed & (j >= i + n - n_q - left) & (j <= i + n - n_q + right)
     allowed = jnp.broadcast_to(allowed, (b, c, skv))
     s = jnp.where(allowed[:, None, None], s, -jnp.inf)
     has_key = allowed.any(-1)  # [B, C]
@@ -167,18 +171,27 @@ def _q_lengths_array(q, lengths_q):
     return jnp.asarray(lengths_q, jnp.int32)
 
 
-def reference(q, k, v, lengths, *, scale, is_causal, lengths_q=None, chunk=512):
+def window_pair(window):
+    """jax.nn's local_window_size (None, an int w or a pair) as None or a (left, right) tuple."""
+    if window is None:
+        return None
+    return (int(window), int(window)) if isinstance(window, int) else tuple(int(w) for w in window)
+
+
+def reference(q, k, v, lengths, *, scale, is_causal, lengths_q=None, window=None, chunk=512):
     """Reference for whole sequences, computed in query chunks to bound the [.., C, Skv] logits.
 
     q: [B, Sq, H, D] ... as in _reference_rows; lengths_q: None (every row real) or [B] real
-    query rows. Returns out [B, Sq, H, Dv] fp32, has_key [B, Sq] (False on padded rows).
+    query rows; window: jax.nn's local_window_size or None. Returns out [B, Sq, H, Dv] fp32,
+    has_key [B, Sq] (False on padded rows and rows whose window holds no key).
     """
+    window = window_pair(window)
     seqlen_q = q.shape[1]
     lengths_q = _q_lengths_array(q, lengths_q)
     outs, keys = [], []
     for start in range(0, seqlen_q, chunk):
         o, hk = _reference_rows(q[:, start:start + chunk], k, v, lengths, lengths_q, start,
-                                scale=scale, is_causal=is_causal)
+                                scale=scale, is_causal=is_causal, window=window)
         outs.append(o)
         keys.append(hk)
     return jnp.concatenate(outs, 1), jnp.concatenate(keys, 1)
@@ -197,17 +210,19 @@ def max_abs_err(out, ref, has_key, seqs):
     return float(err)
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal",))
-def _reference_chunk_grads(q, k, v, lengths, lengths_q, q_start, dout, *, scale, is_causal):
+@functools.partial(jax.jit, static_argnames=("is_causal", "window"))
+def _reference_chunk_grads(q, k, v, lengths, lengths_q, q_start, dout, *, scale, is_causal,
+                           window=None):
     """Gradients of sum(out * dout) over one chunk of query rows (all f32): (dq, dk, dv)."""
     def f(q, k, v):
         return _reference_rows(q, k, v, lengths, lengths_q, q_start, scale=scale,
-                               is_causal=is_causal)[0]
+                               is_causal=is_causal, window=window)[0]
     _, vjp = jax.vjp(f, q, k, v)
     return vjp(dout)
 
 
-def reference_grads(q, k, v, lengths, dout, *, scale, is_causal, lengths_q=None, chunk=512):
+def reference_grads(q, k, v, lengths, dout, *, scale, is_causal, lengths_q=None, window=None,
+                    chunk=512):
     """fp32 gradients of sum(reference(q, k, v) * dout) with respect to q, k and v.
 
     q: [B, Sq, H, D], k: [B, Skv, Hkv, D], v: [B, Skv, Hkv, Dv], dout: [B, Sq, H, Dv] (any float
@@ -215,6 +230,7 @@ def reference_grads(q, k, v, lengths, dout, *, scale, is_causal, lengths_q=None,
     each chunk of rows is differentiated on its own (memory bounded by one chunk's logits) and
     dk, dv are summed over chunks. Returns ((dq, dk, dv), has_key [B, Sq]).
     """
+    window = window_pair(window)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     q, k, v, dout = f32(q), f32(k), f32(v), f32(dout)
     seqlen_q = q.shape[1]
@@ -223,9 +239,10 @@ def reference_grads(q, k, v, lengths, dout, *, scale, is_causal, lengths_q=None,
     for start in range(0, seqlen_q, chunk):
         sl = slice(start, start + chunk)
         dq_c, dk_c, dv_c = _reference_chunk_grads(q[:, sl], k, v, lengths, lengths_q, start,
-                                                  dout[:, sl], scale=scale, is_causal=is_causal)
+                                                  dout[:, sl], scale=scale, is_causal=is_causal,
+                                                  window=window)
         _, hk = _reference_rows(q[:, sl], k, v, lengths, lengths_q, start, scale=scale,
-                                is_causal=is_causal)
+                                is_causal=is_causal, window=window)
         dqs.append(dq_c)
         keys.append(hk)
         dk, dv = dk + dk_c, dv + dv_c
