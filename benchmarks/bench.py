@@ -5,8 +5,11 @@ jax.vjp) with the backward alone ("bwd"). The packed layout: jax_varlen.packed_a
 ("jax_varlen_packed") and FA3's flash_mha_varlen ("fa3_packed") on the same valid tokens with
 the padding dropped (class Packed). A shape with `lengths_q` (padded query rows, e.g.
 prefill-right-padded) passes them as nonpad_q_seqlen / query_seq_lengths / seqused_q; a shape
-an impl cannot run (paged shapes, a windowed shape for an impl without a window, a
-packed-layout shape for a padded impl, padded
+The paged layout (decode-paged): jax_varlen.paged_attention ("jax_varlen_paged") and FA3's
+flash_mha_with_kvcache with page_table ("fa3_paged", best num_splits) on the same shuffled
+pages (class Paged); pass them with --impls. A shape
+an impl cannot run (a paged shape for a non-paged impl and the reverse, a windowed shape for an
+impl without a window, a packed-layout shape for a padded impl, padded
 query rows for an impl without a query-length argument) gets a record with the reason in
 `skipped` (skip_reason).
 
@@ -47,6 +50,9 @@ FA3 = "fa3"  # flash-attn3-jax: flash_mha_varlen with seqused_k = our lengths (b
 OURS_PACKED = "jax_varlen_packed"  # jax_varlen.packed_attention on the packed tokens
 FA3_PACKED = "fa3_packed"  # flash_mha_varlen on the packed tokens (no seqused_k)
 PACKED_IMPLS = (OURS_PACKED, FA3_PACKED)
+OURS_PAGED = "jax_varlen_paged"  # jax_varlen.paged_attention on the paged cache
+FA3_PAGED = "fa3_paged"  # flash_mha_with_kvcache with page_table on the same cache
+PAGED_IMPLS = (OURS_PAGED, FA3_PAGED)
 SMOKE_DIV = 32  # --cpu-smoke divides Sq, Skv and lengths by this and keeps B <= 2
 L2_BYTES = 50 << 20  # H200 L2; inputs below 4x this are rotated among 3 sets
 CHECK_SEQS = 2  # sequences compared against the fp32 reference
@@ -189,6 +195,31 @@ def make_dout(shape, dtype, seed, index):
         real = jnp.arange(shape["Sq"])[None, :] < jnp.asarray(metrics.q_lengths(shape))[:, None]
         dout = jnp.where(real[:, :, None, None], dout, 0).astype(dtype)
     return dout
+
+
+class Paged:
+    """A paged-layout shape's KV cache (shapes.json layout "paged"), for the paged impls: the
+    padded keys and values [B, Skv, Hkv, D] cut into pages of `page_size` rows, B * Skv /
+    page_size pages in a random order (seed 0): block_table [B, Skv / page_size] int32, page
+    block_table[b, p] = rows p * page_size .. of sequence b. pack() runs before the timing; the
+    output is padded [B, Sq, H, Dv] as the padded impls give it."""
+
+    def __init__(self, shape):
+        self.page_size = int(shape["page_size"])
+        b, skv = shape["B"], shape["Skv"]
+        assert skv % self.page_size == 0, "a paged shape's Skv is whole pages"
+        self.pages = skv // self.page_size  # per sequence
+        perm = np.random.default_rng(0).permutation(b * self.pages)
+        self.table = jnp.asarray(perm.reshape(b, self.pages).astype(np.int32))
+        self.order = jnp.asarray(np.argsort(perm))  # cache page -> its (b, p) in order
+
+    def pack(self, q, k, v, lengths, *rest):
+        """make_set()'s (q, k, v, lengths) -> (q, key_cache, value_cache, block_table,
+        lengths)."""
+        def cache(x):  # [B, Skv, Hkv, d] -> [B * pages, page_size, Hkv, d], shuffled
+            pages = x.reshape(x.shape[0] * self.pages, self.page_size, *x.shape[2:])
+            return pages[self.order]
+        return jax.block_until_ready((q, cache(k), cache(v), self.table, lengths, *rest))
 
 
 class Packed:
@@ -343,7 +374,13 @@ def fa3_fn():
         return flash_mha_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q,
                                 max_seqlen_k=max_seqlen_k, softmax_scale=scale,
                                 is_causal=is_causal)
-    return (fn, packed), None
+
+    def paged(q, key_cache, value_cache, table, n, *, scale, is_causal, num_splits=None):
+        splits = num_splits or fa3_default_splits(q.shape[0], q.shape[2], table.shape[1] * key_cache.shape[1])
+        return flash_mha_with_kvcache(q, key_cache, value_cache, cache_seqlens=n.astype(jnp.int32),
+                                      page_table=table, softmax_scale=float(scale),
+                                      is_causal=is_causal, num_splits=splits)
+    return (fn, packed, paged), None
 
 
 def jax_varlen_fn(jax_varlen):
@@ -366,6 +403,14 @@ def jax_varlen_packed_fn(jax_varlen):
         return jax_varlen.packed_attention(q, k, v, cu_q, cu_k, scale=scale, is_causal=is_causal,
                                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                            local_window_size=window)
+    return fn
+
+
+def jax_varlen_paged_fn(jax_varlen):
+    """jax_varlen.paged_attention as a paged impl (Paged.pack()'s arguments)."""
+    def fn(q, key_cache, value_cache, table, n, *, scale, is_causal):
+        return jax_varlen.paged_attention(q, key_cache, value_cache, table, n, scale=scale,
+                                          is_causal=is_causal)
     return fn
 
 
@@ -396,17 +441,22 @@ def build_impls(names, jax_varlen, import_errors):
                 impls[name] = (jax_varlen_packed_fn(jax_varlen), metrics.TAIL)
             else:
                 import_errors[name] = import_errors.get(report.OURS, "jax_varlen not imported")
-        elif name in (FA3, FA3_PACKED):
+        elif name == OURS_PAGED:
+            if jax_varlen is not None:
+                impls[name] = (jax_varlen_paged_fn(jax_varlen), metrics.TAIL)
+            else:
+                import_errors[name] = import_errors.get(report.OURS, "jax_varlen not imported")
+        elif name in (FA3, FA3_PACKED, FA3_PAGED):
             fns, err = fa3_fn()
             if fns is None:
                 import_errors[name] = err
             else:
-                impls[name] = (fns[name == FA3_PACKED], metrics.TAIL)
+                impls[name] = (fns[(FA3, FA3_PACKED, FA3_PAGED).index(name)], metrics.TAIL)
         elif name in PEERS:
             impls[name] = (jax_nn_fn(name), metrics.TOP_LEFT)
         else:
             sys.exit(f"unknown impl {name!r}; known: {report.OURS}, {FA3}, {', '.join(PEERS)}, "
-                     f"{', '.join(PACKED_IMPLS)}")
+                     f"{', '.join(PACKED_IMPLS)}, {', '.join(PAGED_IMPLS)}")
     return impls
 
 
@@ -502,9 +552,12 @@ def skip_reason(impl, shape, pass_):
     Layouts and attributes bench.py does not run yet are skipped for every impl; a
     packed-layout shape (no padded rectangle of its own) runs on the packed impls only."""
     layout = shape.get("layout", "padded")
-    if layout == "paged":
-        return "paged layout: bench.py does not run paged KV caches yet"
-    if layout not in ("padded", "packed"):
+    if (layout == "paged") != (impl in PAGED_IMPLS):
+        return (f"paged layout: run by the paged impls only ({', '.join(PAGED_IMPLS)})"
+                if layout == "paged" else "a paged impl: paged-layout shapes only")
+    if layout == "paged" and pass_ != "fwd":
+        return "paged_attention is forward only"
+    if layout not in ("padded", "packed", "paged"):
         return f"layout {layout!r}: not run by bench.py"
     if shape.get("local_window_size") is not None:
         if impl == FA3_PACKED:
@@ -579,12 +632,12 @@ def run_fwd(name, shape, dtype, impls, import_errors, args, base_record, clock):
             records.append(rec)
             print(progress_line(rec), flush=True)
             continue
-        packing = Packed(shape) if impl in PACKED_IMPLS else None
+        packing = Packed(shape) if impl in PACKED_IMPLS else Paged(shape) if impl in PAGED_IMPLS else None
         impl_sets = [packing.pack(*s) for s in sets] if packing else sets
-        hints = packing.hints if packing else {}
-        unpack = packing.unpack_out if packing else (lambda out: out)
+        hints = packing.hints if isinstance(packing, Packed) else {}
+        unpack = packing.unpack_out if isinstance(packing, Packed) else (lambda out: out)
         variants = {None: fn}
-        if impl == FA3 and decode:  # the brief's FA3 decode numbers: best num_splits
+        if impl in (FA3, FA3_PAGED) and decode:  # the brief's FA3 decode numbers: best num_splits
             variants = {int(s): functools.partial(fn, num_splits=int(s))
                         for s in args.fa3_splits.split(",")}
         timed = {}

@@ -14,6 +14,7 @@ import sys
 
 OURS = "jax_varlen"
 OURS_PACKED, FA3_PACKED = "jax_varlen_packed", "fa3_packed"  # the packed layout (issue 13)
+OURS_PAGED = "jax_varlen_paged"  # the paged layout (issue 34): paged_attention
 BEST_OF = ("cudnn", "fa3")  # the peers a target ratio is measured against
 SUMMARY_IMPLS = (OURS, "cudnn", "fa3", "xla")
 
@@ -95,7 +96,7 @@ def _measured_key(decode, pass_):
 
 def markdown_table(records, shapes):
     """One row per (shape, dtype, pass, impl). `ours/impl` = our effective rate (jax_varlen's;
-    jax_varlen_packed's on a packed-layout shape) / that impl's (>1: ours is faster per unit of
+    jax_varlen_packed's on a packed-layout shape, jax_varlen_paged's on a paged one) / that impl's (>1: ours is faster per unit of
     useful work); `ref` = the peer's number recorded in shapes.json (bf16 only)."""
     lines = [
         "| shape | dtype | pass | impl | ms | eff | ours/impl | ref | note |",
@@ -106,7 +107,8 @@ def markdown_table(records, shapes):
         decode = _is_decode(shapes[name])
         unit = "TB/s" if decode else "TFLOP/s"
         rows = [r for r in records if _group(r) == key]
-        ours_impl = OURS_PACKED if _is_packed(shapes[name]) else OURS
+        layout = shapes[name].get("layout")
+        ours_impl = {"packed": OURS_PACKED, "paged": OURS_PAGED}.get(layout, OURS)
         ours = next((_eff(r, decode) for r in rows if r["impl"] == ours_impl), None)
         mkey = _measured_key(decode, pass_)
         measured = shapes[name].get(mkey, {}) if mkey and dtype == TARGET_DTYPE else {}
