@@ -15,6 +15,8 @@ PACKED_CPU_TARGET = "jax_varlen_packed_attention_fwd_cpu"
 PACKED_CUDA_TARGET = "jax_varlen_packed_attention_fwd_cuda"
 PACKED_BWD_CPU_TARGET = "jax_varlen_packed_attention_bwd_cpu"
 PACKED_BWD_CUDA_TARGET = "jax_varlen_packed_attention_bwd_cuda"
+# The paged forward (_paged_primitive.py), CUDA only: the CPU gathers pages, then CPU_TARGET.
+PAGED_CUDA_TARGET = "jax_varlen_paged_attention_fwd_cuda"
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}  # the names XLA's registry expects
 
 

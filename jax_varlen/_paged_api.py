@@ -6,12 +6,18 @@ newest tokens of each sequence: padded ``[B, Sq, H, D]`` (the last ``Sq`` of its
 ``seqlens_k[b]`` keys) or packed ``[Tq, H, D]`` with ``cu_seqlens_q`` (a continuous-batching
 step: prefill chunks and decodes in one call).
 
-This first version, on every backend, copies the pages it needs: it gathers them through the
-(clamped) block table into a padded ``[B, max_pages * page_size, Hkv, D]`` key and value and
-calls :func:`attention` with ``nonpad_kv_seqlen = seqlens_k``; packed queries are scattered
-into ``[B, max_seqlen_q, H, D]`` with ``nonpad_q_seqlen`` and gathered back. The GPU will read
-the pages in place in the kernels (a paged kernel is planned, issue 34 item 3); the signature
-and the semantics stay.
+Two ways to compute, chosen per call by the CUDA plan (ffi/plan/plan.h; ``_paged_primitive``):
+- **in place**: decode-like calls (float16/bfloat16, head sizes multiples of 8, at most 16
+  queries per sequence -- padded ``Sq``, or packed with ``max_seqlen_q = 1`` -- and a
+  ``page_size`` multiple of 16) bind ``paged_attention_fwd_p``: on the GPU the split-KV kernel
+  loads each key tile through the block table, so no page is copied and unused pages are never
+  read; on the CPU the primitive gathers the pages and runs the padded CPU kernel;
+- **gathered**: every other call copies the pages each sequence needs through the (clamped)
+  block table into a padded ``[B, max_pages * page_size, Hkv, D]`` key and value and calls
+  :func:`attention` with ``nonpad_kv_seqlen = seqlens_k``; packed queries are scattered into
+  ``[B, max_seqlen_q, H, D]`` with ``nonpad_q_seqlen`` and gathered back. (Chunked prefill
+  through the Hopper kernel's TMA is planned, issue 34 item 3.)
+Both give the same results; the semantics do not depend on the way.
 """
 
 from __future__ import annotations
@@ -33,12 +39,15 @@ from jax_varlen._api import (
     check_array,
     check_flag,
     check_lengths,
+    check_sinks,
     check_static,
     dtype_name,
     make_config,
     split_heads,
+    with_sinks,
 )
 from jax_varlen._packed_api import _check_offsets, _resolve_hint
+from jax_varlen._paged_primitive import gather_pages, paged_attention_fwd, takes
 
 _FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 _INDEX_DTYPES = (jnp.int32, jnp.int64)
@@ -232,16 +241,6 @@ def _forward_only(fn, *args):
     return forward(*args)
 
 
-def _gather_pages(cache, block_table):
-    """cache [num_pages, page_size, Hkv, D], block_table [B, max_pages] (in range) ->
-    [B, max_pages * page_size, Hkv, D]: row j of sequence b is row j % page_size of page
-    block_table[b, j // page_size]. Worked example, page_size 2, block_table[b] = [5, 1]:
-    keys 0, 1 are page 5's rows 0, 1 and keys 2, 3 page 1's."""
-    B, max_pages = block_table.shape
-    pages = jnp.take(cache, block_table, axis=0)  # [B, max_pages, page_size, Hkv, D]
-    return pages.reshape((B, max_pages * cache.shape[1]) + cache.shape[2:])
-
-
 def _pad_queries(query, cu, max_seqlen_q: int):
     """Packed query [Tq, H, D] -> padded [B, max_seqlen_q, H, D] and the counts [B]: row i of
     sequence b (packed row cu[b] + i) goes to [b, i]; rows past a sequence's count are zero.
@@ -256,33 +255,44 @@ def _pad_queries(query, cu, max_seqlen_q: int):
 
 
 def _compute(query, key_cache, value_cache, block_table, seqlens_k, *rest, packed,
-             max_seqlen_q, has_sinks, attention_kw):
-    """Gathers the pages, then :func:`attention`. The GPU will read the pages in place in the
-    kernels (a paged kernel is planned, issue 34 item 3); this version copies the pages each
-    sequence needs. ``rest``: ``cu_seqlens_q`` (packed), then ``sinks`` (if any), clamped
-    indices throughout."""
+             max_seqlen_q, has_sinks, attention_kw, config):
+    """``(out, lse)`` of a paged call. ``config``: the paged primitive's static parameters when
+    its kernel takes the call (``paged_attention`` asks the plan: ``_paged_primitive.takes``),
+    which then reads the pages in place on the GPU; ``None``: the pages each sequence needs are
+    gathered into dense keys and :func:`attention` runs on them. ``rest``: ``cu_seqlens_q``
+    (packed), then ``sinks`` (float32 ``[H]``, if any); clamped indices throughout."""
     rest = list(rest)
-    kw = dict(attention_kw, sinks=rest.pop()) if has_sinks else attention_kw
-    key = _gather_pages(key_cache, block_table)      # [B, max_pages * page_size, Hkv, D]
-    value = _gather_pages(value_cache, block_table)  # [B, max_pages * page_size, Hkv, Dv]
+    sinks = rest.pop() if has_sinks else None
+    Tq, B = query.shape[0], seqlens_k.shape[0]  # Tq: packed rows (packed form)
+    if packed:
+        (cu,) = rest
+        query, counts = _pad_queries(query, cu, max_seqlen_q)  # [B, max_seqlen_q, H, D]
+    if config is not None:  # the paged kernel: padded queries, every one real (max_seqlen_q 1)
+        out, lse = paged_attention_fwd(query, key_cache, value_cache, seqlens_k, block_table,
+                                       config)
+        if sinks is not None:  # a sequence without a new token (packed) has no real row
+            real_rows = (counts > 0)[:, None, None] if packed else None
+            out, lse = with_sinks(out, lse, sinks, real_rows)
+    else:
+        key = gather_pages(key_cache, block_table)      # [B, max_pages * page_size, Hkv, D]
+        value = gather_pages(value_cache, block_table)  # [B, max_pages * page_size, Hkv, Dv]
+        kw = dict(attention_kw, sinks=sinks) if has_sinks else dict(attention_kw)
+        if packed:
+            kw["nonpad_q_seqlen"] = counts
+        out, lse = attention(query, key, value, seqlens_k, return_lse=True, **kw)
     if not packed:
-        return attention(query, key, value, seqlens_k, return_lse=True, **kw)
-    (cu,) = rest
-    q_pad, counts = _pad_queries(query, cu, max_seqlen_q)
-    out_pad, lse_pad = attention(q_pad, key, value, seqlens_k, nonpad_q_seqlen=counts,
-                                 return_lse=True, **kw)
+        return out, lse
     # Back to packed rows: row r of sequence b (cu[b] <= r < cu[b + 1]) is padded row
     # [b, r - cu[b]]; rows of no sequence, and those past max_seqlen_q, are zero (lse -inf).
     # Worked example, cu = [0, 3, 3, 4], Tq = 6: rows 0-2 are [0, 0:3], row 3 is [2, 0], rows
     # 4-5 no sequence's.
-    Tq, B = query.shape[0], seqlens_k.shape[0]
     r = jnp.arange(Tq)
     b = jnp.minimum(jnp.searchsorted(cu[1:], r, side="right"), B - 1)
     i = r - cu[b]
     owned = (r < cu[-1]) & (i >= 0) & (i < max_seqlen_q)
     i = jnp.clip(i, 0, max_seqlen_q - 1)
-    out = jnp.where(owned[:, None, None], out_pad[b, i], 0)        # [Tq, H, Dv]
-    lse = jnp.where(owned[None, :], lse_pad[b, :, i].T, -jnp.inf)  # [H, Tq]
+    out = jnp.where(owned[:, None, None], out[b, i], 0)        # [Tq, H, Dv]
+    lse = jnp.where(owned[None, :], lse[b, :, i].T, -jnp.inf)  # [H, Tq]
     return out, lse
 
 
@@ -313,10 +323,13 @@ def paged_attention(
     ``m_b`` queries are the last ``m_b`` of its keys (``attention``'s tail-aligned rule with
     ``nonpad_kv_seqlen = seqlens_k``).
 
-    This version copies the pages each sequence needs into a padded
-    ``[B, max_pages * page_size, Hkv, D]`` key and value (through the clamped block table) and
-    calls :func:`attention`; the GPU will read the pages in place in the kernels (a paged
-    kernel is planned). Its cost and memory follow ``B * max_pages * page_size`` until then.
+    Decode-like calls read the pages in place on the GPU (float16/bfloat16, head sizes
+    multiples of 8, at most 16 queries per sequence -- padded ``Sq <= 16``, or packed with
+    ``max_seqlen_q = 1`` -- and ``page_size`` a multiple of 16): the split-KV kernel loads each
+    key tile through the block table. Other calls (longer query runs, other page sizes,
+    float32) copy the pages each sequence needs into a padded
+    ``[B, max_pages * page_size, Hkv, D]`` key and value and call :func:`attention`: their
+    cost and memory follow ``B * max_pages * page_size``.
 
     Args:
       query: padded ``[B, Sq, H, D]`` (every sequence has ``m_b = Sq`` queries: decode with
@@ -324,8 +337,8 @@ def paged_attention(
         ``[Tq, H, D]``; merged heads ``[B, Sq, H*D]`` / ``[Tq, H*D]`` go with rank-3 caches and
         ``num_heads``. float32, float16 or bfloat16.
       key_cache: ``[num_pages, page_size, Hkv, D]`` (or ``[num_pages, page_size, Hkv*D]``),
-        query's dtype. Any ``page_size >= 1`` works in this version (the planned GPU kernel
-        will need a multiple of 16). Rows no sequence uses (other pages, the tail of a
+        query's dtype. Any ``page_size >= 1`` works; a multiple of 16 is read in place on the
+        GPU (see above). Rows no sequence uses (other pages, the tail of a
         sequence's last page) may hold any bits, NaN included: they never change the result.
       value_cache: ``[num_pages, page_size, Hkv, Dv]`` (or merged), the same ``num_pages``,
         ``page_size`` and ``Hkv``.
@@ -370,9 +383,10 @@ def paged_attention(
                                                num_heads, kv_num_heads)
     _check_caches(query, key_cache, value_cache)
     num_pages, page_size = key_cache.shape[:2]
-    make_config(query.shape[-1], scale, is_causal, softcap)  # checks the static attributes
-    return_lse = check_flag("return_lse", return_lse)
     check_static("local_window_size", local_window_size)
+    config = make_config(query.shape[-1], scale, is_causal, softcap, local_window_size)
+    return_lse = check_flag("return_lse", return_lse)
+    sinks = check_sinks(sinks, query.shape[-2])
 
     if packed:
         cu = _check_offsets("cu_seqlens_q", cu_seqlens_q, query.shape[0], "Tq")
@@ -412,10 +426,15 @@ def paged_attention(
         out = jnp.zeros((query.shape[0], H, Dv), query.dtype)
         lse = jnp.full((H, query.shape[0]), -jnp.inf, jnp.float32)
     else:
-        # This version copies the pages each sequence needs (_compute); on the GPU the kernels
-        # will read the pages in place (a paged kernel is planned, issue 34 item 3).
+        # The paged kernel reads the pages in place when the plan takes the call (decode-like
+        # calls: padded queries, or packed ones with max_seqlen_q = 1, since the kernel has no
+        # per-sequence query counts); the rest gathers the pages each sequence needs.
+        padded_shape = (batch, max_q) + query.shape[1:] if packed else query.shape
+        in_place = (not packed or max_q == 1) and takes(padded_shape, query.dtype, key_cache,
+                                                        value_cache, block_table.shape[1])
         fn = functools.partial(_compute, packed=packed, max_seqlen_q=max_q,
-                               has_sinks=sinks is not None, attention_kw=attention_kw)
+                               has_sinks=sinks is not None, attention_kw=attention_kw,
+                               config=config if in_place else None)
         out, lse = _forward_only(fn, query, key_cache, value_cache, *operands)
     if out.ndim > rank:  # merged heads in, merged heads out
         out = out.reshape(out.shape[:-2] + (-1,))

@@ -128,18 +128,21 @@ def _lower(rule, partitioned, lowering, multiple_results, ctx, *args, **params):
 def _lower_for_export(rule, lowering, ctx, *args, **params):
     """The bare FFI call, marked so that XLA's C++ partitioner splits its batch axis."""
     results = lowering(ctx, *args, **params)
+    if rule.batch_factor is None:
+        # Nothing XLA may split (operands that do not all lead with the batch, e.g. a paged
+        # cache): the call runs whole, and its lowering may be more than the one FFI call.
+        return results
     op = results[0].owner
-    if rule.batch_factor is not None:
-        attrs = {"num_batch_dims": mlir.ir.StringAttr.get("1")}
-        if "mhlo.frontend_attributes" in op.attributes:
-            old = mlir.ir.DictAttr(op.attributes["mhlo.frontend_attributes"])
-            attrs = {**{a.name: a.attr for a in old}, **attrs}
-        op.attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(attrs)
+    attrs = {"num_batch_dims": mlir.ir.StringAttr.get("1")}
+    if "mhlo.frontend_attributes" in op.attributes:
+        old = mlir.ir.DictAttr(op.attributes["mhlo.frontend_attributes"])
+        attrs = {**{a.name: a.attr for a in old}, **attrs}
+    op.attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(attrs)
     # A Shardy rule gives every factor a number; a symbolic (shape-polymorphic) batch has none
     # until the deserializing process refines the shapes, so such a call goes without one.
     static = all(isinstance(d, int) for aval in ctx.avals_in for d in aval.shape)
     if static and getattr(jax.config, "jax_use_shardy_partitioner", False):
-        batch_only = rule.with_parallel([rule.batch_factor] if rule.batch_factor else [])
+        batch_only = rule.with_parallel([rule.batch_factor])
         shapes = [aval.shape for aval in ctx.avals_in]
         result_shapes = [tuple(mlir.ir.RankedTensorType(r.type).shape) for r in op.results]
         hidden = result_shapes[len(rule.results):]

@@ -20,6 +20,7 @@ import pytest
 from jax.experimental import checkify
 
 import jax_varlen
+from jax_varlen import _ffi
 from conftest import DTYPES, RTOL, assert_lse_close, assert_out_close, backend_cases, bits
 
 _STATIC = ("max_seqlen_q", "num_heads", "kv_num_heads", "scale", "is_causal", "softcap",
@@ -165,6 +166,12 @@ _CPU = {
                               dict(local_window_size=(12, 2))),
     "mixed-p16-sinks": ("packed", "bf16", 16, 4, 4, 2, 32, 32, [60, 5, 0], [6, 1, 0],
                         dict(is_causal=True, sinks=_SINKS4)),
+    # Read in place (the plan takes them: 16-bit, Sq <= 16 or packed decode rows only, pages of
+    # a multiple of 16 rows); the CPU's primitive gathers, the GPU's kernel reads the pages.
+    "decode-only-p16-bf16-sinks": ("packed", "bf16", 16, 4, 4, 2, 32, 32, [60, 5, 0, 17],
+                                   [1, 1, 0, 1], dict(is_causal=True, sinks=_SINKS4)),
+    "speculative-p32-f16-window": ("padded", "f16", 32, 3, 4, 1, 16, 24, [70, 3, 0, 33], 3,
+                                   dict(is_causal=True, local_window_size=(9, 0))),
 }
 _GPU = {
     "decode-p16-bf16-d128": ("padded", "bf16", 16, 40, 8, 2, 128, 128, [640, 129, 0, 1], 1,
@@ -178,7 +185,25 @@ _GPU = {
     "decode-p1-f32": ("padded", "f32", 1, 300, 4, 2, 64, 64, [300, 1, 0], 1, {}),
     "mixed-p16-bf16-sinks": ("packed", "bf16", 16, 24, 4, 2, 128, 128, [380, 33, 0, 1],
                              [130, 1, 0, 1], dict(is_causal=True, sinks=_SINKS4)),
+    # Read in place by the split-KV kernel: pages of 16 (two per 32-key tile at d <= 128, one
+    # per 16-key tile at d256), 64 (decode-paged's), several splits of 1024 keys.
+    "decode-p64-bf16-d128-gqa4": ("padded", "bf16", 64, 40, 16, 4, 128, 128,
+                                  [2500, 65, 0, 1, 640, 1024, 1025], 1, {}),
+    "decode-p16-f16-d256": ("padded", "f16", 16, 80, 4, 2, 256, 256, [1200, 17, 0, 1], 1,
+                            dict(is_causal=True)),
+    "speculative-p16-bf16-d64-softcap": ("padded", "bf16", 16, 70, 8, 2, 64, 64,
+                                         [1100, 16, 3, 0], 5,
+                                         dict(is_causal=True, softcap=4.0)),
+    "decode-only-p32-bf16-sinks": ("packed", "bf16", 32, 40, 4, 2, 128, 96,
+                                   [1200, 33, 0, 1, 31], [1, 1, 0, 1, 1],
+                                   dict(is_causal=True, sinks=_SINKS4)),
 }
+
+# Which cases the plan reads in place (the rest gather the pages first).
+_IN_PLACE = {"decode-p16-bf16", "decode-only-p16-bf16-sinks", "speculative-p32-f16-window",
+             "decode-p16-bf16-d128", "speculative-p16-bf16-d64", "decode-p64-bf16-d128-gqa4",
+             "decode-p16-f16-d256", "speculative-p16-bf16-d64-softcap",
+             "decode-only-p32-bf16-sinks"}
 
 
 def _run_case(case):
@@ -216,6 +241,28 @@ def test_forward_matches_oracle_and_unpaged_attention(backend, case):
     else:
         assert out.shape == q.shape[:3] + (case[7],) and lse.shape == (q.shape[0], q.shape[2],
                                                                        q.shape[1])
+
+
+@backend_cases("name", {"cpu": {n: n for n in _CPU}, "gpu": {n: n for n in _GPU}})
+def test_pages_are_read_in_place_when_the_plan_takes_the_call(backend, name):
+    """The plan's decision is the path the call takes: in-place calls bind the paged primitive
+    (on the GPU its kernel reads the pages: the split-KV path ran with paged keys), the others
+    gather the pages and bind no paged primitive."""
+    form, dtype, ps, max_pages, H, Hkv, D, Dv, seqlens, queries, kw = {**_CPU, **_GPU}[name]
+    dtype = DTYPES[dtype]
+    kc, vc, table, n, _, _ = _paged(seqlens, ps, max_pages, Hkv, D, Dv, dtype)
+    if form == "padded":
+        q, extra = _queries((len(seqlens), queries, H, D), dtype), {}
+    else:
+        q, cu = _packed_queries(queries, 3, H, D, dtype)
+        extra = dict(cu_seqlens_q=cu, max_seqlen_q=max(queries))
+    f = functools.partial(jax_varlen.paged_attention, **extra, **kw)
+    jaxpr = str(jax.make_jaxpr(f)(q, kc, vc, table, n))
+    assert ("jax_varlen_paged_attention_fwd" in jaxpr) == (name in _IN_PLACE)
+    if backend == "gpu" and name in _IN_PLACE:
+        jax.block_until_ready(jax.jit(f)(q, kc, vc, table, n))
+        ran = _ffi.extension().last_launch()
+        assert ran["paged"] and ran["fwd_path"] == "sm80_split" and ran["split_keys"] > 0
 
 
 @backend_cases("case", {"cpu": {"decode": _CPU["decode-p16-gqa"],
@@ -314,6 +361,43 @@ def test_vmap_over_calls(backend, shared_cache):
     for e in range(2):
         want = g(qp, kc[0], vc[0], table[e], n[e], cu_seqlens_q=cu2[e])
         np.testing.assert_allclose(out[e], want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("axes", [(0, 0, 0, 0, 0), (0, None, None, 0, 0), (None, 1, 1, 0, None)],
+                         ids=["own-caches", "shared-cache", "caches-on-axis-1"])
+def test_in_place_vmap_and_export(backend, axes):
+    """The paged primitive under vmap (a vmapped cache folds into the pages, the block table
+    offset with it; an unbatched one is shared) and through jax.export: each element is the
+    call on its own, bit for bit."""
+    H, Hkv, D, ps, max_pages = 4, 2, 32, 16, 5
+    calls = [_paged([70, 17, 0, 1], ps, max_pages, Hkv, D, D, jnp.bfloat16, seed=s)
+             for s in (1, 2)]
+    calls[1] = calls[1][:2] + (calls[0][2], calls[0][3])  # one table shape (same page count)
+    stacked = [jnp.stack([c[i] for c in calls]) for i in range(4)]
+    q = _queries((2, 4, 1, H, D), jnp.bfloat16)
+    args = [q, *stacked]
+    args = [x if a is not None else x[0] for x, a in zip(args, axes)]
+    args = [jnp.moveaxis(x, 0, a) if a not in (None, 0) else x for x, a in zip(args, axes)]
+
+    def f(q, kc, vc, table, n):
+        return jax_varlen.paged_attention(q, kc, vc, table, n, is_causal=True, return_lse=True)
+
+    assert "jax_varlen_paged_attention_fwd" in str(jax.make_jaxpr(f)(
+        *[x if a is None else jnp.take(x, 0, axis=a) for x, a in zip(args, axes)]))
+    out, lse = jax.jit(jax.vmap(f, in_axes=axes))(*args)
+    for e in range(2):
+        one = [x if a is None else jnp.take(x, e, axis=a) for x, a in zip(args, axes)]
+        want_out, want_lse = jax.jit(f)(*one)
+        assert bits(out[e]) == bits(want_out) and bits(lse[e]) == bits(want_lse)
+    if axes[1] is None:  # export the unbatched call
+        pytest.importorskip("flatbuffers")
+        from conftest import EXPORT_PLATFORM
+
+        one = [x if a is None else jnp.take(x, 0, axis=a) for x, a in zip(args, axes)]
+        exp = jax_varlen.export(f, platforms=[EXPORT_PLATFORM[backend]])(*one)
+        got = jax.export.deserialize(exp.serialize()).call(*one)
+        want = jax.jit(f)(*one)
+        assert bits(got[0]) == bits(want[0]) and bits(got[1]) == bits(want[1])
 
 
 def test_checkify_reports_bad_table_entries(backend):

@@ -44,6 +44,17 @@ struct AttentionParams {
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
 
+  // Paged keys (make_paged_params; nullptr: k and v are dense as above): k and v are caches
+  // [num_pages, page_size, kv_num_heads, dim], and key j of sequence b is row j % page_size of
+  // page block_table[b, j / page_size] (clamped into [0, num_pages): never an out-of-bounds
+  // read), i.e. row page * page_size + j % page_size of the caches read as stacks of rows
+  // (paged_key_row, seqlen.h). Only the split-KV kernel reads pages (the plan takes a paged
+  // call nowhere else); seqlen_k = max_pages * page_size is the keys' extent.
+  // Worked example, page_size 16, block_table[b] = [7, 2]: keys 0-15 are rows 112-127, keys
+  // 16-31 rows 32-47.
+  const int32_t* block_table;  // [batch, max_pages]
+  int64_t max_pages, page_size, num_pages;
+
   // Packs: the tensors are num_packs blocks of pack_rows_q query rows (q, out) and pack_rows_k
   // key rows (k, v), one after another, and pack e holds sequences [e * pack_seqs,
   // (e + 1) * pack_seqs) of the batch. Padded batch: every sequence is a pack of its own

@@ -70,6 +70,16 @@ struct SeqlenInfo {
   JV_HOST_DEVICE static int64_t min_extent(int64_t a, int64_t b) { return a < b ? a : b; }
 };
 
+// Paged keys (params.h): the row of the caches (read as stacks of rows, k_row_stride apart)
+// that holds key j of sequence b. The block-table entry is clamped into [0, num_pages), so
+// any table reads inside the caches; j must lie in [0, max_pages * page_size).
+JV_HOST_DEVICE int64_t paged_key_row(const AttentionParams& p, int64_t b, int j) {
+  const int page_size = int(p.page_size);
+  int64_t page = p.block_table[b * p.max_pages + j / page_size];
+  page = page < 0 ? 0 : (page >= p.num_pages ? p.num_pages - 1 : page);
+  return page * page_size + j % page_size;
+}
+
 // Packed layout: whether row r (of all num_packs * pack_rows rows of q, or of k when `keys`)
 // belongs to some sequence. Rows past a pack's last offset, and rows that a clamped length cuts
 // off (invalid input), belong to none: the kernels never write them, so the handlers zero them

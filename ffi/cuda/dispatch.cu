@@ -12,6 +12,7 @@
 //   sm80 one pass compute capability 8+  the same with longer queries                sm80::run_fwd_tc
 //   portable      any                    everything else (float32 on an exact fp32  portable::run_fwd_simt
 //                                        path, odd head sizes)
+// Paged calls (block_table set) take the sm80 split row only: its kernel reads the pages.
 // Packed calls (cu_seqlens set) run portable/packed_fill.cuh first (the rows no sequence owns),
 // then the same kernels as padded ones (every kernel reads sequences through SeqlenInfo).
 // Backward (after portable/bwd_preprocess.cuh, for every path):
@@ -125,6 +126,7 @@ namespace {
 // The last launch (launch_record.h), one word per field; relaxed: a test reads it after the call.
 std::atomic<int> last_fwd_path{-1}, last_bwd_path{-1};
 std::atomic<int64_t> last_split_keys{0};
+std::atomic<bool> last_paged{false};
 }  // namespace
 
 LaunchRecord last_launch() {
@@ -132,6 +134,7 @@ LaunchRecord last_launch() {
   r.fwd_path = last_fwd_path.load(std::memory_order_relaxed);
   r.bwd_path = last_bwd_path.load(std::memory_order_relaxed);
   r.split_keys = last_split_keys.load(std::memory_order_relaxed);
+  r.paged = last_paged.load(std::memory_order_relaxed);
   return r;
 }
 
@@ -149,11 +152,15 @@ int device_major() {
 cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t stream) {
   const bool aligned = aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out);
   const FwdPath path = aligned ? plan.fwd_path : FwdPath::kPortable;
+  // Pages are read by the split-KV kernel alone (the plan takes a paged call nowhere else; the
+  // handler rejects unaligned caches before this point).
+  if (p.block_table != nullptr && path != FwdPath::kSm80Split) return cudaErrorInvalidValue;
   const PathKernels* kernels = kFwdPaths[int(path)];
   const FwdFn fn = kernels == nullptr ? nullptr : (*kernels)[int(p.dtype)][plan.bucket];
   if (fn == nullptr) return cudaErrorInvalidValue;
   last_fwd_path.store(int(path), std::memory_order_relaxed);
   last_split_keys.store(path == FwdPath::kSm80Split ? p.split_keys : 0, std::memory_order_relaxed);
+  last_paged.store(p.block_table != nullptr, std::memory_order_relaxed);
   if (p.cu_seqlens_q != nullptr) {
     const cudaError_t err = run_packed_fill(p, stream);
     if (err != cudaSuccess) return err;

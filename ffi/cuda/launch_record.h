@@ -1,7 +1,7 @@
 // What the last CUDA forward and backward of this process launched (dispatch.cu records it
 // when XLA runs a handler; a captured CUDA graph replays kernels without it): the path's row
-// after the alignment check (FwdPath / BwdPath, plan/plan.h) and the keys per split-KV chunk (0:
-// one pass); -1 before any call. Tests read it through the extension's last_launch() to prove
+// after the alignment check (FwdPath / BwdPath, plan/plan.h), the keys per split-KV chunk (0:
+// one pass) and whether the forward read a paged cache in place; -1 before any call. Tests read it through the extension's last_launch() to prove
 // which kernel served a call. Plain C++ (no CUDA headers): bindings.cc includes it.
 #pragma once
 
@@ -12,6 +12,7 @@ namespace jax_varlen::cuda {
 struct LaunchRecord {
   int fwd_path = -1, bwd_path = -1;
   int64_t split_keys = 0;
+  bool paged = false;
 };
 LaunchRecord last_launch();
 

@@ -38,6 +38,12 @@ constexpr int64_t split_partials_per_seq(int64_t seqlen_q, int64_t seqlen_k, int
          split_rows_padded(seqlen_q, num_heads / kv_num_heads);
 }
 
+// Paged caches (params.h): the split-KV kernel reads pages in place when each holds a multiple
+// of kPagedRun rows (the plan's condition; vLLM's page sizes 16, 32, ... all qualify), loading a
+// key tile in runs of kPagedRun rows. Other page sizes, and calls that the split-KV path does not
+// take, are gathered into dense keys first (jax_varlen/_paged_api.py).
+constexpr int kPagedRun = 16;
+
 // Hopper forward (sm90/fwd_sm90.cuh): query rows of one work unit, at every head size.
 constexpr int kFwdSm90BlockM = 128;
 

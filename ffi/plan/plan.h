@@ -39,6 +39,9 @@ struct PlanInputs {
   int64_t seqlen_q = 0, seqlen_k = 0;
   int64_t num_heads = 1, kv_num_heads = 1;
   int64_t head_dim = 0, head_dim_v = 0;
+  // Paged keys (params.h): the cache's rows per page; 0 = dense keys. A paged call is planned
+  // with seqlen_k = pack_rows_k = max_pages * page_size (the keys' extent).
+  int64_t page_size = 0;
   // Compute capability major of the device that runs the call; 0 = unknown (the lowering, which
   // cannot see it): the path then is the best one this build has (an sm_90 device's with the
   // Hopper kernels built, else an sm_80 one's).
@@ -146,6 +149,24 @@ inline Plan make_plan(const PlanInputs& in) {
   else if (hopper && plan.dq_workspace_per_pack > 0 && sm90_extents && bwd_ctas <= INT32_MAX)
     plan.bwd_path = BwdPath::kSm90;
   else plan.bwd_path = BwdPath::kSm80;
+
+  // Paged keys: only the split-KV kernel reads pages in place (limits.h, kPagedRun), and a paged
+  // call has no backward (forward only: no dQ workspace).
+  if (in.page_size != 0) {
+    if (plan.fwd_path != FwdPath::kSm80Split || in.page_size % c::kPagedRun != 0) {
+      Plan none;
+      none.unsupported = "jax_varlen: the paged kernel (split-KV) takes float16/bfloat16 with head sizes that are "
+                         "multiples of 8, at most " + std::to_string(c::kSplitMaxSeqlenQ) +
+                         " queries per sequence and pages of a multiple of " + std::to_string(c::kPagedRun) +
+                         " rows; got " + std::to_string(in.seqlen_q) + " queries per sequence, head sizes " +
+                         std::to_string(in.head_dim) + " and " + std::to_string(in.head_dim_v) +
+                         ", page_size " + std::to_string(in.page_size);
+      return none;
+    }
+    plan.bwd_path = BwdPath::kPortable;
+    plan.bwd_block_m = 0;
+    plan.dq_slots = plan.dq_workspace_per_pack = 0;
+  }
   return plan;
 }
 
@@ -164,6 +185,7 @@ inline PlanInputs plan_inputs(const AttentionParams& p, int compute_major) {
   in.kv_num_heads = p.kv_num_heads;
   in.head_dim = p.head_dim;
   in.head_dim_v = p.head_dim_v;
+  in.page_size = p.block_table != nullptr ? p.page_size : 0;
   in.compute_major = compute_major;
   return in;
 }

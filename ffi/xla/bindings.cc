@@ -24,6 +24,7 @@ extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_packed_attention_bwd_cuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_paged_attention_fwd_cuda(XLA_FFI_CallFrame*);
 #endif
 
 namespace {
@@ -53,7 +54,8 @@ const char* path_name(jax_varlen::BwdPath path) {
 
 NB_MODULE(_jax_varlen, m) {
   // {"cpu": {target: capsule}, "cuda": {target: capsule}}; "cuda" only in a CUDA build. Per
-  // platform: the padded and the packed forward and backward.
+  // platform: the padded and the packed forward and backward; CUDA also the paged forward (the
+  // CPU gathers pages and runs the padded forward: jax_varlen/_paged_api.py).
   m.def("registrations", []() {
     nb::dict platforms, cpu;
     cpu["jax_varlen_attention_fwd_cpu"] = capsule(jax_varlen_attention_fwd_cpu);
@@ -67,6 +69,7 @@ NB_MODULE(_jax_varlen, m) {
     cuda["jax_varlen_attention_bwd_cuda"] = capsule(jax_varlen_attention_bwd_cuda);
     cuda["jax_varlen_packed_attention_fwd_cuda"] = capsule(jax_varlen_packed_attention_fwd_cuda);
     cuda["jax_varlen_packed_attention_bwd_cuda"] = capsule(jax_varlen_packed_attention_bwd_cuda);
+    cuda["jax_varlen_paged_attention_fwd_cuda"] = capsule(jax_varlen_paged_attention_fwd_cuda);
     platforms["cuda"] = cuda;
 #endif
     return platforms;
@@ -77,7 +80,7 @@ NB_MODULE(_jax_varlen, m) {
       "plan",
       [](const std::string& dtype, int64_t pack_seqs, int64_t pack_rows_q, int64_t pack_rows_k,
          int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads, int64_t kv_num_heads, int64_t head_dim,
-         int64_t head_dim_v, int64_t num_packs, int compute_major) {
+         int64_t head_dim_v, int64_t num_packs, int64_t page_size, int compute_major) {
         jax_varlen::PlanInputs in;
         in.dtype = dtype_of(dtype);
         in.num_packs = num_packs;
@@ -90,6 +93,7 @@ NB_MODULE(_jax_varlen, m) {
         in.kv_num_heads = kv_num_heads;
         in.head_dim = head_dim;
         in.head_dim_v = head_dim_v;
+        in.page_size = page_size;
         in.compute_major = compute_major;
         const jax_varlen::Plan plan = jax_varlen::make_plan(in);
         nb::dict d;
@@ -106,7 +110,8 @@ NB_MODULE(_jax_varlen, m) {
       },
       nb::kw_only(), nb::arg("dtype"), nb::arg("pack_seqs"), nb::arg("pack_rows_q"), nb::arg("pack_rows_k"),
       nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("num_heads"), nb::arg("kv_num_heads"),
-      nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("num_packs") = 1, nb::arg("compute_major") = 0);
+      nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("num_packs") = 1, nb::arg("page_size") = 0,
+      nb::arg("compute_major") = 0);
   // last_launch() -> dict or None: the path and split-KV chunk of the last CUDA forward and
   // backward this process launched (cuda/launch_record.h; fwd_path/bwd_path None before the first),
   // for tests that prove which kernel ran. None in a build without CUDA.
@@ -117,6 +122,7 @@ NB_MODULE(_jax_varlen, m) {
     d["fwd_path"] = r.fwd_path < 0 ? nb::object(nb::none()) : nb::object(nb::str(path_name(jax_varlen::FwdPath(r.fwd_path))));
     d["bwd_path"] = r.bwd_path < 0 ? nb::object(nb::none()) : nb::object(nb::str(path_name(jax_varlen::BwdPath(r.bwd_path))));
     d["split_keys"] = r.split_keys;
+    d["paged"] = r.paged;  // the forward read a paged cache in place
     return d;
 #else
     return nb::none();

@@ -56,8 +56,8 @@ ffi::Error packed_attention_bwd_cpu(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_attention_bwd_cpu, jax_varlen::attention_bwd_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, /*kPacked=*/false, /*kBackward=*/true, /*kWorkspace=*/false>()));
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPadded, /*kBackward=*/true, /*kWorkspace=*/false>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_bwd_cpu, jax_varlen::packed_attention_bwd_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, /*kPacked=*/true, /*kBackward=*/true, /*kWorkspace=*/false>()));
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPacked, /*kBackward=*/true, /*kWorkspace=*/false>()));

@@ -47,8 +47,8 @@ ffi::Error packed_attention_fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_attention_fwd_cpu, jax_varlen::attention_fwd_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, /*kPacked=*/false, /*kBackward=*/false, /*kWorkspace=*/false>()));
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPadded, /*kBackward=*/false, /*kWorkspace=*/false>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_fwd_cpu, jax_varlen::packed_attention_fwd_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, /*kPacked=*/true, /*kBackward=*/false, /*kWorkspace=*/false>()));
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPacked, /*kBackward=*/false, /*kWorkspace=*/false>()));

@@ -3,7 +3,9 @@
 // capture the calls into a CUDA graph.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 #include "cuda/launch.h"
@@ -90,6 +92,26 @@ ffi::Error packed_attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, 
                  workspace);
 }
 
+// The paged forward (make_paged_params): the split-KV kernel reads the caches' pages in place.
+// The plan takes it or says why not (the Python lowering asks first and gathers the pages into
+// dense keys instead); caches that are not 16-byte aligned are an error, never another kernel.
+ffi::Error paged_attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
+                                    ffi::AnyBuffer value_cache, ffi::Buffer<ffi::S32> seqlens_k,
+                                    ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> workspace, ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/false);
+  if (!a) return a.error();
+  auto params = make_paged_params(query, key_cache, value_cache, seqlens_k, block_table, *out, *lse, *a);
+  if (params) {
+    for (const void* ptr : std::initializer_list<const void*>{params->q, params->k, params->v, params->out})
+      if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+        return ffi::Error::InvalidArgument(
+            "jax_varlen: the paged kernel needs query, key_cache, value_cache and out 16-byte aligned");
+  }
+  return run_fwd(params, stream, workspace);
+}
+
 // The backward of either layout (params.h, BackwardParams): d_query, d_key, d_value and the
 // delta workspace. Every element of the gradients is written, padded keys' rows (and packed
 // rows no sequence owns) with zeros.
@@ -145,20 +167,25 @@ ffi::Error packed_attention_bwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_attention_fwd_cuda, jax_varlen::attention_fwd_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, /*kPacked=*/false, /*kBackward=*/false, /*kWorkspace=*/true>()),
+    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPadded, /*kBackward=*/false, /*kWorkspace=*/true>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_varlen_paged_attention_fwd_cuda, jax_varlen::paged_attention_fwd_cuda,
+    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPaged, /*kBackward=*/false, /*kWorkspace=*/true>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_attention_bwd_cuda, jax_varlen::attention_bwd_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, /*kPacked=*/false, /*kBackward=*/true, /*kWorkspace=*/true>()),
+    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPadded, /*kBackward=*/true, /*kWorkspace=*/true>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_fwd_cuda, jax_varlen::packed_attention_fwd_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, /*kPacked=*/true, /*kBackward=*/false, /*kWorkspace=*/true>()),
+    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPacked, /*kBackward=*/false, /*kWorkspace=*/true>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_bwd_cuda, jax_varlen::packed_attention_bwd_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, /*kPacked=*/true, /*kBackward=*/true, /*kWorkspace=*/true>()),
+    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPacked, /*kBackward=*/true, /*kWorkspace=*/true>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

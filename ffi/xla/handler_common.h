@@ -39,7 +39,9 @@ inline ffi::Unexpected<ffi::Error> bad_argument(const std::string& what) {
 //   operands  query, key, value ([B, Sq, H, D], [B, Skv, Hkv, D], [B, Skv, Hkv, Dv]; packed:
 //             [N, Tq, H, D], [N, Tk, Hkv, D], [N, Tk, Hkv, Dv]),
 //             then nonpad_kv_seqlen [B] (packed: cu_seqlens_q, cu_seqlens_k [N, B + 1]), int32,
-//             on the device;
+//             on the device; paged (CUDA forward only): key and value are the caches
+//             [num_pages, page_size, Hkv, D / Dv], then seqlens_k [B] and block_table
+//             [B, max_pages] (make_paged_params);
 //             backward only: out, lse [B, H, Sq] (f32), d_out (out's dtype), d_lse (f32);
 //   results   forward: out, lse; backward: d_query, d_key, d_value, delta (f32, lse's shape: a
 //             workspace); then, with kWorkspace (CUDA), the plan's f32 workspace [N, per pack]
@@ -48,9 +50,12 @@ inline ffi::Unexpected<ffi::Error> bad_argument(const std::string& what) {
 // Ctx is the platform's context: the CPU's intra-op thread pool, or XLA's CUDA stream.
 // (Bindings are builders whose steps consume the last and cannot be moved otherwise: every
 // helper appends at least one entry, so each returns a fresh builder.)
-template <bool kPacked, typename B>
+enum class Lengths { kPadded, kPacked, kPaged };
+template <Lengths kLengths, typename B>
 auto bind_lengths(B&& b) {
-  if constexpr (kPacked)
+  if constexpr (kLengths == Lengths::kPaged)
+    return std::move(b).template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::Buffer<ffi::S32>>();  // seqlens_k, block_table
+  else if constexpr (kLengths == Lengths::kPacked)
     return std::move(b).template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::Buffer<ffi::S32>>();  // cu_seqlens_q, _k
   else
     return std::move(b).template Arg<ffi::Buffer<ffi::S32>>();  // nonpad_kv_seqlen
@@ -75,9 +80,9 @@ auto bind_attrs(B&& b) {
   if constexpr (kWorkspace) return std::move(b).template Ret<ffi::Buffer<ffi::F32>>().Attrs();  // the plan's
   else return std::move(b).Attrs();
 }
-template <typename Ctx, bool kPacked, bool kBackward, bool kWorkspace>
+template <typename Ctx, Lengths kLengths, bool kBackward, bool kWorkspace>
 auto bind_attention() {
-  return bind_attrs<kWorkspace>(bind_outputs<kBackward>(bind_lengths<kPacked>(ffi::Ffi::Bind()
+  return bind_attrs<kWorkspace>(bind_outputs<kBackward>(bind_lengths<kLengths>(ffi::Ffi::Bind()
                                                                                    .Ctx<Ctx>()
                                                                                    .template Arg<ffi::AnyBuffer>()  // query
                                                                                    .template Arg<ffi::AnyBuffer>()  // key
@@ -131,11 +136,13 @@ inline ffi::ErrorOr<CallAttrs> read_attrs(const ffi::Dictionary& attrs, bool pac
 // What both layouts share: query [N, Sq, H, D], key [N, Skv, Hkv, D], value [N, Skv, Hkv, Dv],
 // out [N, Sq, H, Dv] (dense, last dim contiguous), lse [N, H, Sq], the attributes, and every
 // check between them. N is the batch (padded) or the packs (packed, with Sq = Tq and Skv = Tk);
-// make_params and make_packed_params then say how N splits into sequences.
+// make_params and make_packed_params then say how N splits into sequences. `paged`: key and
+// value are caches [num_pages, page_size, Hkv, D / Dv] whose leading extents are their own
+// (make_paged_params).
 inline ffi::ErrorOr<AttentionParams> make_dense_params(ffi::AnyBuffer query, ffi::AnyBuffer key,
                                                        ffi::AnyBuffer value, ffi::AnyBuffer out,
                                                        ffi::Buffer<ffi::F32> lse,
-                                                       const CallAttrs& attrs) {
+                                                       const CallAttrs& attrs, bool paged = false) {
   const auto qd = query.dimensions(), kd = key.dimensions(), vd = value.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
     return bad_argument("query, key and value must have rank 4, got " + dims_string(qd) + ", " +
@@ -179,7 +186,7 @@ inline ffi::ErrorOr<AttentionParams> make_dense_params(ffi::AnyBuffer query, ffi
   p.window_left = attrs.window_left;
   p.window_right = attrs.window_right;
 
-  if (kd[0] != p.num_packs || vd[0] != p.num_packs)
+  if (vd[0] != kd[0] || (!paged && kd[0] != p.num_packs))
     return bad_argument("leading extents differ: query " + dims_string(qd) + ", key " +
                         dims_string(kd) + ", value " + dims_string(vd));
   if (vd[1] != p.pack_rows_k || vd[2] != p.kv_num_heads)
@@ -255,6 +262,43 @@ inline ffi::ErrorOr<AttentionParams> make_packed_params(
   p.batch = p.num_packs * p.pack_seqs;
   p.seqlen_q = max_seqlen_q;
   p.seqlen_k = max_seqlen_k;
+  return p;
+}
+
+// The paged forward: query [B, Sq, H, D], key_cache [num_pages, page_size, Hkv, D],
+// value_cache [num_pages, page_size, Hkv, Dv], seqlens_k [B], block_table [B, max_pages],
+// out [B, Sq, H, Dv], lse [B, H, Sq] (params.h: paged keys). The padded batch of sequences
+// with max_pages * page_size key rows each, whose rows are found through the block table; each
+// sequence's Sq queries are the last of its seqlens_k[b] keys.
+inline ffi::ErrorOr<AttentionParams> make_paged_params(
+    ffi::AnyBuffer query, ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache,
+    ffi::Buffer<ffi::S32> seqlens_k, ffi::Buffer<ffi::S32> block_table, ffi::AnyBuffer out,
+    ffi::Buffer<ffi::F32> lse, const CallAttrs& attrs) {
+  auto params = make_dense_params(query, key_cache, value_cache, out, lse, attrs, /*paged=*/true);
+  if (!params) return params;
+  AttentionParams& p = *params;
+  const auto kd = key_cache.dimensions(), td = block_table.dimensions();
+  if (kd[0] < 1 || kd[1] < 1)
+    return bad_argument("key_cache " + dims_string(kd) + " must hold a page of at least one row");
+  if (td.size() != 2 || td[0] != p.num_packs || td[1] < 1)
+    return bad_argument("block_table has shape " + dims_string(td) + ", expected [" +
+                        std::to_string(p.num_packs) + ", max_pages >= 1] (the batch of query " +
+                        dims_string(query.dimensions()) + ")");
+  if (seqlens_k.element_count() != size_t(p.num_packs))
+    return bad_argument("seqlens_k has shape " + dims_string(seqlens_k.dimensions()) + ", expected [" +
+                        std::to_string(p.num_packs) + "] (the batch of query " +
+                        dims_string(query.dimensions()) + ")");
+  p.num_pages = kd[0];
+  p.page_size = kd[1];
+  p.max_pages = td[1];
+  p.block_table = block_table.typed_data();
+  p.nonpad_kv_seqlen = seqlens_k.typed_data();
+  p.batch = p.num_packs;
+  p.pack_seqs = 1;
+  p.seqlen_q = p.pack_rows_q;
+  p.seqlen_k = p.pack_rows_k = p.max_pages * p.page_size;  // the keys' extent, read through pages
+  p.k_batch_stride = p.page_size * p.k_row_stride;          // a page
+  p.v_batch_stride = p.page_size * p.v_row_stride;
   return p;
 }
 

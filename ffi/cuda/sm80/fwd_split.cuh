@@ -10,7 +10,8 @@
 // states are merged in shared memory, and the block writes a normalized fp32 partial output
 // and a base-2 lse (layout: sm80/split_layout.h). fwd_combine_kernel then merges the splits
 // of each row in a fixed order: deterministic, and since split_keys is a constant, independent
-// of the batch.
+// of the batch. kPaged: the keys are a paged cache's (params.h), read in place through the block
+// table (mainloop.h, KvSource).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -51,7 +52,7 @@ struct SplitTraits {
   static_assert(kSplitKeys % (kWarps * kBlockN) == 0);
 };
 
-template <typename Elem, int kHeadDim, bool kSoftcap>
+template <typename Elem, int kHeadDim, bool kSoftcap, bool kPaged>
 __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<kHeadDim>::kMinBlocksPerSm)
     fwd_split_kernel(const __grid_constant__ AttentionParams p) {
   using Tr = SplitTraits<kHeadDim>;
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<k
   }
   const int min_limit = int(blk.min_limit < key_end ? blk.min_limit : key_end);
 
-  const KvSource<Elem> kv{p, seq.k_offset, int(g)};
+  const KvSource<Elem, kPaged> kv{p, kPaged ? b : seq.k_offset, int(g)};  // paged: the block table's row b
   const KeyTiles keys{int(key_begin) + warp * Tr::kBlockN, int(key_end)};  // warp w: tiles w, w + 4, ...
   Accumulators<Ml> acc;
   mainloop<Ml, kSoftcap>(sQ, 0, rings + warp * (Ml::kRingBytes / sizeof(Elem)), kv, keys, first, limit, min_limit,
@@ -164,7 +165,11 @@ cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream) {
   const int64_t group = p.num_heads / p.kv_num_heads;
   const int64_t row_blocks = rows_padded(p) / Tr::kRows;
   const dim3 grid(unsigned(max_splits(p)), unsigned(p.kv_num_heads * row_blocks), unsigned(p.batch));
-  auto kernel = p.softcap > 0.0f ? fwd_split_kernel<Elem, kHeadDim, true> : fwd_split_kernel<Elem, kHeadDim, false>;
+  const bool paged = p.block_table != nullptr;
+  auto kernel = p.softcap > 0.0f ? (paged ? fwd_split_kernel<Elem, kHeadDim, true, true>
+                                          : fwd_split_kernel<Elem, kHeadDim, true, false>)
+                                 : (paged ? fwd_split_kernel<Elem, kHeadDim, false, true>
+                                          : fwd_split_kernel<Elem, kHeadDim, false, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes));
   if (err != cudaSuccess) return err;
   if (grid.x > 0) kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);  // Skv = 0: merge only

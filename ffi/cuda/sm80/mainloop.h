@@ -29,7 +29,8 @@
 #include "cuda/sm80/softmax.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile.h"
-#include "core/params.h"
+#include "core/seqlen.h"
+#include "plan/limits.h"
 
 namespace jax_varlen::cuda::sm80 {
 
@@ -53,16 +54,25 @@ struct MainloopTraits {
 // zeros). Addresses are rebuilt per tile from these, the strides staying in the constant bank:
 // two 64-bit base pointers fewer in the loop's registers (the one-pass kernel at D = 128 runs
 // at the 255-register cap).
-template <typename Elem>
+// kPaged (the split-KV kernel on a paged cache, params.h): row0 is the sequence b, and key j
+// is row paged_key_row(p, b, j) of the caches. Pages hold a multiple of kPagedRun rows (the
+// plan's condition, limits.h), so the kPagedRun keys from any multiple of kPagedRun on are
+// consecutive rows: a tile is loaded in runs of kPagedRun, one block-table read each.
+template <typename Elem, bool kPaged_ = false>
 struct KvSource {
+  static constexpr bool kPaged = kPaged_;
   const AttentionParams& p;
   int64_t row0;
   int head;
+  __device__ int64_t row(int key) const {
+    if constexpr (kPaged) return paged_key_row(p, row0, key);
+    else return row0 + key;
+  }
   __device__ const Elem* k(int key) const {
-    return static_cast<const Elem*>(p.k) + (row0 + key) * p.k_row_stride + head * p.k_head_stride;
+    return static_cast<const Elem*>(p.k) + row(key) * p.k_row_stride + head * p.k_head_stride;
   }
   __device__ const Elem* v(int key) const {
-    return static_cast<const Elem*>(p.v) + (row0 + key) * p.v_row_stride + head * p.v_head_stride;
+    return static_cast<const Elem*>(p.v) + row(key) * p.v_row_stride + head * p.v_head_stride;
   }
 };
 
@@ -91,14 +101,15 @@ __device__ __forceinline__ void team_sync() {
 //   sQ      the block's Q tile [rows, kHeadDim], swizzled; this warp's rows start at q_row0.
 //           Its cp.async group is committed before the call (the oldest group).
 //   ring    this team's K/V ring (Ml::kRingBytes of smem).
+//   kv      where the keys are: a KvSource, dense or paged.
 //   first, limit  the allowed keys [first, limit) of this thread's rows (mt, rr): local rows
 //           q_row0 + mt * 16 + lane / 4 + 8 * rr (mask.h, key_range); keys outside get
 //           probability 0. Limits must not pass keys.end.
 //   min_limit, max_first  the smallest limit and the largest first of the block (or less /
 //           more): tiles in [max_first, min_limit) are allowed whole and skip the masking pass.
 // Every warp of the block must call it (kQInRegisters syncs the block once, before the loop).
-template <class Ml, bool kSoftcap, typename Elem>
-__device__ __forceinline__ void mainloop(const Elem* sQ, int q_row0, Elem* ring, const KvSource<Elem>& kv,
+template <class Ml, bool kSoftcap, typename Elem, typename KV>
+__device__ __forceinline__ void mainloop(const Elem* sQ, int q_row0, Elem* ring, const KV& kv,
                                          const KeyTiles& keys, const int (&first)[Ml::kMTiles][2],
                                          const int (&limit)[Ml::kMTiles][2], int min_limit, int max_first,
                                          const ScoreScale& scale, Accumulators<Ml>& acc) {
@@ -115,15 +126,26 @@ __device__ __forceinline__ void mainloop(const Elem* sQ, int q_row0, Elem* ring,
   auto v_tile = [&](int slot) { return ring + slot * 2 * Ml::kTileElems + Ml::kTileElems; };
   auto rows_left = [&](int n0) { return keys.end - n0 < kBlockN ? keys.end - n0 : kBlockN; };
   auto load_k = [&](int slot, int n0) {
-    if (n0 < keys.end)
-      load_rows<kHeadDim, kBlockN, Ml::kTeamThreads>(k_tile(slot), kv.k(n0), kv.p.k_row_stride, rows_left(n0),
-                                                      kv.p.head_dim, tid);
+    if (n0 < keys.end) {
+      if constexpr (KV::kPaged)
+        load_runs<kHeadDim, kBlockN, Ml::kTeamThreads, kPagedRun>(
+            k_tile(slot), [&](int r) { return kv.k(n0 + r); }, kv.p.k_row_stride, rows_left(n0), kv.p.head_dim, tid);
+      else
+        load_rows<kHeadDim, kBlockN, Ml::kTeamThreads>(k_tile(slot), kv.k(n0), kv.p.k_row_stride, rows_left(n0),
+                                                        kv.p.head_dim, tid);
+    }
     cp_async_commit();
   };
   auto load_v = [&](int slot, int n0) {
-    if (n0 < keys.end)
-      load_rows<kHeadDim, kBlockN, Ml::kTeamThreads>(v_tile(slot), kv.v(n0), kv.p.v_row_stride, rows_left(n0),
-                                                      kv.p.head_dim_v, tid);
+    if (n0 < keys.end) {
+      if constexpr (KV::kPaged)
+        load_runs<kHeadDim, kBlockN, Ml::kTeamThreads, kPagedRun>(
+            v_tile(slot), [&](int r) { return kv.v(n0 + r); }, kv.p.v_row_stride, rows_left(n0), kv.p.head_dim_v,
+            tid);
+      else
+        load_rows<kHeadDim, kBlockN, Ml::kTeamThreads>(v_tile(slot), kv.v(n0), kv.p.v_row_stride, rows_left(n0),
+                                                        kv.p.head_dim_v, tid);
+    }
     cp_async_commit();
   };
 
