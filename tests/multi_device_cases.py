@@ -106,6 +106,36 @@ def test_sharded_jit_no_collectives(explicit, layout, dtype, heads, kw):
 
 
 @pytest.mark.parametrize("layout", ["batch", "heads", "both"])
+def test_paged_sharded_no_collectives(layout):
+    """paged_attention read in place (the paged primitive): the batch (queries, lengths, block
+    table) and whole kv-head groups (the caches' head axis) split with no communication, the
+    pages whole on every device; the bits of the one-device call."""
+    H, HKV, PAGE, MAX_PAGES = 8, 4, 16, 4
+    num_pages = B * MAX_PAGES
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.bfloat16)
+    kc = jnp.asarray(rng.standard_normal((num_pages, PAGE, HKV, D)), jnp.bfloat16)
+    vc = jnp.asarray(rng.standard_normal((num_pages, PAGE, HKV, DV)), jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(num_pages).reshape(B, MAX_PAGES), jnp.int32)
+    n = jnp.asarray([0, 1, 17, 64, 5, 33, 48, 2], jnp.int32)
+
+    def f(q, kc, vc, table, n):
+        return jax_varlen.paged_attention(q, kc, vc, table, n, is_causal=True, return_lse=True)
+
+    assert "jax_varlen_paged_attention_fwd" in str(jax.make_jaxpr(f)(q, kc, vc, table, n))
+    ref_out, ref_lse = jax.jit(f)(q, kc, vc, table, n)  # one device
+    mesh = _mesh()
+    b, h = LAYOUTS[layout]
+    cache = P(None, None, h, None)
+    sharded = _put(mesh, (q, kc, vc, table, n), (P(b, None, h, None), cache, cache, P(b), P(b)))
+    g = jax.jit(f)
+    assert _collectives(g.lower(*sharded).compile().as_text()) == []
+    out, lse = g(*sharded)
+    assert _spec(out) == (b, None, h, None) and _spec(lse) == (b, h, None)
+    assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
+
+
+@pytest.mark.parametrize("layout", ["batch", "heads", "both"])
 def test_query_counts_sharded_no_collectives(layout):
     """attention(..., nonpad_q_seqlen=...) splits over batch and heads with no communication,
     forward and gradients, and gives the single-device bits."""
