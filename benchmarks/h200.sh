@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [ncu] [cmd]   (default: tests bench)
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [sinks] [ncu] [cmd]
+#   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
 # GPU-only files tests/test_gpu_*.py); bench = the forward on bench.py's FWD_SHAPES (issue 11's
 # eight and prefill-right-padded; bf16, plus f16 of d128-full and d128-skewed), jax_varlen /
 # cuDNN / FA3 / XLA and the packed pair; train = train + bwd records (jax_varlen / cuDNN / FA3
 # and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; sweep = the
-# decode sweep; ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
+# decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
+# 120 s); ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
 # $CMD (run from /tmp with the build installed, $R = the repository root; limit CMD_S, 120 s).
 # The whole call is held to TOTAL_S (default 540 s, from the start of this script): each stage's
 # limit is cut to what is left, a stage with under 30 s left is skipped, and bench.py is told
@@ -91,6 +93,9 @@ for stage in $STAGES; do
         --budget-s $((L - 20)) ${BENCH_ARGS:-} --shapes "${DECODE_SHAPES:-decode-full,decode-skewed,decode-paged}" \
         >"$OUT/decode.log" 2>&1
       grep -E "^\| decode" "$OUT/decode.log" || tail -8 "$OUT/decode.log" ;;
+    sinks) L=$(limit "${SINKS_S:-120}") || { echo "sinks: skipped (time)"; continue; }
+      timeout "$L" python3 "$R/benchmarks/sinks_cost.py" --out "$OUT" >"$OUT/sinks.log" 2>&1
+      tail -5 "$OUT/sinks.log" ;;
     ncu) L=$(limit "${NCU_S:-200}") || { echo "ncu: skipped (time)"; continue; }
       # fwd_tc_kernel / fwd_split_kernel (sm80 path) and fwd_sm90_kernel (Hopper path)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$L" ncu --clock-control none \
