@@ -16,13 +16,10 @@
 //     (and, in short units, its epilogue) runs under the other's GEMMs.
 // setmaxnreg moves registers from the producer warpgroup to the consumers.
 //
-// Work unit = (sequence b, query head h, block of kBlockM query rows). Units are ordered
-// heaviest-first -- sequences by their number of valid keys, descending, ties by index; within
-// a sequence the later row blocks first (they see the most keys under a causal mask), its
-// empty slots last (a packed sequence with fewer than seqlen_q query rows) -- and
-// CTA c takes units c, 2G - 1 - c, 2G + c, ... (G = grid size, a snake over the sorted list).
-// The order depends only on the lengths; each unit is computed whole by one CTA, in the same
-// way wherever it runs, so results are bitwise deterministic and batch invariant.
+// Work unit = (sequence b, query head h, block of kBlockM query rows), taken heaviest-first
+// in a snake over the persistent grid (tile_scheduler.h): the order depends only on the
+// lengths; each unit is computed whole by one CTA, in the same way wherever it runs, so
+// results are bitwise deterministic and batch invariant.
 //
 // Both layouts (params.h): TMA sees the tensors as (rows of a pack, dim, heads, packs) and a
 // unit's tiles start at its sequence's first row in the pack (SeqlenInfo; 0 in the padded
@@ -32,6 +29,7 @@
 #pragma once
 
 #include "cuda/sm90/common.h"
+#include "cuda/sm90/tile_scheduler.h"
 
 namespace jax_varlen::cuda::sm90 {
 
@@ -57,6 +55,7 @@ struct FwdTraits {
   // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
   // memory); larger ones keep their own order and read lengths from global memory.
   static constexpr int kMaxSortedBatch = 384;
+  using Scheduler = HeaviestFirstScheduler<kBlockM, kBlockN, kMaxSortedBatch, kThreads>;
   // A last tile of at most kHalfN keys (the largest multiple of 16 <= kBlockN / 2) runs on
   // narrower products: 64 of 128, 80 of 176, 32 of 80.
   static constexpr int kHalfN = kBlockN / 2 / 16 * 16;
@@ -115,8 +114,7 @@ struct alignas(1024) SharedStorage {
   uint64_t full_k[Tr::kStages], full_v[Tr::kStages];    // producer -> consumers: tile landed
   uint64_t empty_k[Tr::kStages], empty_v[Tr::kStages];  // consumers -> producer: stage free
   uint64_t full_q, empty_q;
-  int32_t sorted_len[Tr::kMaxSortedBatch];  // clamped lengths, heaviest first
-  uint16_t order[Tr::kMaxSortedBatch];      // the sequence of each rank
+  typename Tr::Scheduler::SharedStorage sched;  // the batch's heaviest-first order
 };
 
 template <typename Tr>
@@ -129,110 +127,12 @@ struct KernelParams {
   int num_units;     // batch * num_heads * num_m_blocks
 };
 
-// One unit of work (see the top of the file) and the keys it needs.
-struct Unit {
-  int b, h, m_block;
-  int pack;       // the pack of sequence b (b in the padded batch): TMA's fourth coordinate
-  int q_start;    // first query row and first key row of sequence b in its pack (0 padded)
-  int k_start;
-  int len_q;      // query rows of sequence b (seqlen_q in the padded batch)
-  int rows;       // query rows of the unit: 0 for an empty slot
-  int n;          // valid keys of sequence b, clamped into [0, seqlen_k]
-  // Its rows' allowed keys (mask.h, key_range; both bounds grow with the row):
-  int min_limit;  // end of the first row's keys: tiles that end at or before it need no right mask
-  int max_first;  // first key of the last row: tiles that start at or after it need no left mask
-  int key_end;    // end of the last row's keys: key tiles at or past it are never loaded
-  int n_tiles;    // ceil(key_end / kBlockN): one past the last tile
-  int t_begin;    // the first row's first key / kBlockN: tiles below it are never loaded
-};
-
-template <typename Tr>
-__device__ __forceinline__ Unit decode_unit(const KernelParams<Tr>& kp, const SharedStorage<Tr>& ss, int u) {
-  const AttentionParams& p = kp.p;
-  const int per_seq = int(p.num_heads) * kp.num_m_blocks;
-  const int rank = u / per_seq, rem = u % per_seq;
-  const bool sorted = p.batch <= Tr::kMaxSortedBatch;
-  Unit w;
-  w.b = sorted ? ss.order[rank] : rank;
-  if (sorted && p.cu_seqlens_q == nullptr) {  // padded: its length is in shared memory
-    w.n = ss.sorted_len[rank];
-    w.pack = w.b;
-    w.q_start = w.k_start = 0;
-    w.len_q = int(p.seqlen_q);
-  } else {
-    const SeqlenInfo seq(p, w.b);
-    w.n = int(seq.seqlen_k);
-    w.pack = int(seq.pack);
-    w.q_start = int(seq.q_start);
-    w.k_start = int(seq.k_start);
-    w.len_q = int(seq.seqlen_q);
-  }
-  // Row blocks from the sequence's last; slots past its first block are empty.
-  const int blocks = (w.len_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  w.m_block = blocks - 1 - rem / int(p.num_heads);
-  w.h = rem % int(p.num_heads);
-  if (w.m_block < 0) {
-    w.rows = w.min_limit = w.max_first = w.key_end = w.n_tiles = w.t_begin = 0;
-    return w;
-  }
-  const int row0 = w.m_block * Tr::kBlockM;
-  w.rows = w.len_q - row0 < Tr::kBlockM ? w.len_q - row0 : Tr::kBlockM;
-  const Range first = key_range(p.mask(), row0, w.n, w.len_q);
-  const Range last = key_range(p.mask(), row0 + w.rows - 1, w.n, w.len_q);
-  w.min_limit = int(first.end);
-  w.max_first = int(last.begin);
-  w.key_end = int(last.end);
-  w.t_begin = int(first.begin) / Tr::kBlockN;
-  // No tile when no row may see a key (the union of the rows' ranges is empty).
-  w.n_tiles = w.key_end > first.begin ? (w.key_end + Tr::kBlockN - 1) / Tr::kBlockN : 0;
-  if (w.n_tiles == 0) w.t_begin = 0;
-  return w;
-}
-
-// The r-th unit of this CTA, or -1 past the end: a snake over the heaviest-first list.
-__device__ __forceinline__ int unit_of_round(int r, int num_units) {
-  const int g = int(gridDim.x), c = int(blockIdx.x);
-  const int u = r * g + ((r & 1) ? g - 1 - c : c);
-  return u < num_units ? u : -1;
-}
-
-// Sequences sorted by clamped length, descending, ties by index: order[rank] = b and
-// sorted_len[rank] = n_b. All threads; sorted_len holds the lengths by b while ranking.
-template <typename Tr>
-__device__ void sort_sequences(const AttentionParams& p, SharedStorage<Tr>& ss) {
-  const int batch = int(p.batch);
-  if (batch > Tr::kMaxSortedBatch) return;
-  constexpr int kPer = (Tr::kMaxSortedBatch + Tr::kThreads - 1) / Tr::kThreads;
-  for (int b = threadIdx.x; b < batch; b += Tr::kThreads)
-    ss.sorted_len[b] = int(SeqlenInfo(p, b).seqlen_k);
-  __syncthreads();
-  int rank[kPer], len[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int b = threadIdx.x + i * Tr::kThreads;
-    rank[i] = 0;
-    len[i] = b < batch ? ss.sorted_len[b] : 0;
-    if (b < batch)
-      for (int j = 0; j < batch; ++j) {
-        const int nj = ss.sorted_len[j];
-        rank[i] += (nj > len[i]) || (nj == len[i] && j < b);
-      }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int b = threadIdx.x + i * Tr::kThreads;
-    if (b < batch) {
-      ss.order[rank[i]] = uint16_t(b);
-      ss.sorted_len[rank[i]] = len[i];
-    }
-  }
-}
-
-// Named barriers: the consumer ping-pong (warpgroup i waits on kSchedBarrier + i), and each
-// consumer warpgroup's own barrier after it zeroed a V tail.
-constexpr int kSchedBarrier = 1;
-constexpr int kZeroBarrier = 3;
+// Named barriers (bar.sync ids; 0 is __syncthreads): the consumer ping-pong (warpgroup i waits
+// on kSchedWg0 + i), and each consumer warpgroup's own barrier after it zeroed a V tail.
+enum class FwdBarrier : int { kSchedWg0 = 1, kSchedWg1 = 2, kZeroWg0 = 3, kZeroWg1 = 4 };
+// Thread roles: warpgroup 0 is the producer's (its warp 0 loads, the others exit), warpgroups
+// 1 and 2 are the consumers.
+enum class FwdRole { kProducer, kConsumer };
 // Units of at most this many key tiles hand over turns for every GEMM (see the consumer).
 constexpr int kShortUnitTiles = 4;
 
@@ -327,7 +227,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     Barrier::init(&ss.empty_q, Tr::kConsumerWarps);
     cutlass::arch::fence_barrier_init();
   }
-  sort_sequences<Tr>(p, ss);
+  Tr::Scheduler::sort_sequences(p, ss.sched);
   __syncthreads();
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
@@ -335,7 +235,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutVt{});
   const int group = int(p.num_heads / p.kv_num_heads);
 
-  if (threadIdx.x < 128) {  // ---------------------------------------------------------- producer
+  const FwdRole role = threadIdx.x < 128 ? FwdRole::kProducer : FwdRole::kConsumer;
+  if (role == FwdRole::kProducer) {  // ---------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
@@ -371,9 +272,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     int stage = 0, phase = 0, q_iter = 0;
     auto advance = [&] { if (++stage == kStages) { stage = 0; phase ^= 1; } };
     for (int r = 0;; ++r) {
-      const int u = unit_of_round(r, kp.num_units);
+      const int u = Tr::Scheduler::unit_of_round(r, kp.num_units);
       if (u < 0) break;
-      const Unit w = decode_unit<Tr>(kp, ss, u);
+      const Unit w = Tr::Scheduler::decode_unit(p, kp.num_m_blocks, ss.sched, u);
       if (w.n_tiles == 0) continue;  // no row may see a key: the consumers write zeros
       // Q, once the consumers are done with the previous unit's.
       Barrier::wait(&ss.empty_q, (q_iter & 1) ^ 1);
@@ -429,9 +330,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   Element* out = static_cast<Element*>(p.out);
   const float kLn2 = 0.6931471805599453f;
 
-  if (cwg == 0) named_arrive(kSchedBarrier + 0, Tr::kConsumerThreads);  // warpgroup 0 issues first
-  auto sched_wait = [&] { named_sync(kSchedBarrier + cwg, Tr::kConsumerThreads); };
-  auto sched_pass = [&] { named_arrive(kSchedBarrier + (1 - cwg), Tr::kConsumerThreads); };
+  if (cwg == 0) named_arrive(int(FwdBarrier::kSchedWg0), Tr::kConsumerThreads);  // warpgroup 0 issues first
+  auto sched_wait = [&] { named_sync(int(FwdBarrier::kSchedWg0) + cwg, Tr::kConsumerThreads); };
+  auto sched_pass = [&] { named_arrive(int(FwdBarrier::kSchedWg0) + (1 - cwg), Tr::kConsumerThreads); };
   auto release = [&](uint64_t* bar) { __syncwarp(); if (warp_leader) Barrier::arrive(bar); };
   // Zero V rows [rows, end) of stage s. Both warpgroups write the same zeros (so neither
   // waits for the other), then each fences its writes for wgmma and syncs its own 128 threads.
@@ -440,15 +341,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     for (int idx = ct % 128; idx < (end - rows) * kChunks; idx += 128)
       *reinterpret_cast<uint4*>(&sVt((idx % kChunks) * 8, rows + idx / kChunks, s)) = make_uint4(0, 0, 0, 0);
     cutlass::arch::fence_view_async_shared();
-    named_sync(kZeroBarrier + cwg, 128);
+    named_sync(int(FwdBarrier::kZeroWg0) + cwg, 128);
   };
 
   int stage = 0, phase = 0, q_iter = 0;
   auto advance = [&] { if (++stage == kStages) { stage = 0; phase ^= 1; } };
   for (int r = 0;; ++r) {
-    const int u = unit_of_round(r, kp.num_units);
+    const int u = Tr::Scheduler::unit_of_round(r, kp.num_units);
     if (u < 0) break;
-    const Unit w = decode_unit<Tr>(kp, ss, u);
+    const Unit w = Tr::Scheduler::decode_unit(p, kp.num_m_blocks, ss.sched, u);
     const int64_t row_base = int64_t(w.m_block) * kBlockM;  // of the sequence
     // This thread's two rows (local rows get<0>(cS(0)) and + 8) and their allowed keys [first,
     // limit) (mask.h, key_range).
@@ -642,3 +543,4 @@ cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
 }
 
 }  // namespace jax_varlen::cuda::sm90
+

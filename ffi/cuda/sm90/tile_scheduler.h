@@ -1,0 +1,135 @@
+// The persistent heaviest-first scheduler of the Hopper forward (fwd_sm90.cuh): which unit of
+// work each CTA of a persistent grid takes, round by round.
+//
+// Work unit = (sequence b, query head h, block of kBlockM query rows). Units are ordered
+// heaviest-first -- sequences by their number of valid keys, descending, ties by index; within
+// a sequence the later row blocks first (they see the most keys under a causal mask), its
+// empty slots last (a packed sequence with fewer than seqlen_q query rows) -- and
+// CTA c takes units c, 2G - 1 - c, 2G + c, ... (G = grid size, a snake over the sorted list).
+// The order depends only on the lengths; each unit is computed whole by one CTA, in the same
+// way wherever it runs, so results are bitwise deterministic and batch invariant.
+//
+// The list has batch * num_heads * num_m_blocks slots (num_m_blocks = ceil(seqlen_q / kBlockM),
+// the padded count): per_seq = num_heads * num_m_blocks slots per sequence, by rank, and within
+// one the row blocks from the last, heads fastest. Only its four constants tie it to a kernel,
+// and a unit's key bounds come from the mask (mask.h), so another kernel over units of query
+// rows can take it as is.
+#pragma once
+
+#include "cuda/sm90/common.h"
+
+namespace jax_varlen::cuda::sm90 {
+
+// One unit of work (see the top of the file) and the keys it needs.
+struct Unit {
+  int b, h, m_block;
+  int pack;       // the pack of sequence b (b in the padded batch): TMA's fourth coordinate
+  int q_start;    // first query row and first key row of sequence b in its pack (0 padded)
+  int k_start;
+  int len_q;      // query rows of sequence b (seqlen_q in the padded batch)
+  int rows;       // query rows of the unit: 0 for an empty slot
+  int n;          // valid keys of sequence b, clamped into [0, seqlen_k]
+  // Its rows' allowed keys (mask.h, key_range; both bounds grow with the row):
+  int min_limit;  // end of the first row's keys: tiles that end at or before it need no right mask
+  int max_first;  // first key of the last row: tiles that start at or after it need no left mask
+  int key_end;    // end of the last row's keys: key tiles at or past it are never loaded
+  int n_tiles;    // ceil(key_end / kBlockN): one past the last tile
+  int t_begin;    // the first row's first key / kBlockN: tiles below it are never loaded
+};
+
+// kBlockM query rows per unit, kBlockN keys per tile (Unit's tile bounds), kThreads threads per
+// CTA (all of them sort). Batches up to kMaxSortedBatch are sorted heaviest-first (order and
+// lengths kept in shared memory); larger ones keep their own order and read lengths from global
+// memory.
+template <int kBlockM, int kBlockN, int kMaxSortedBatch, int kThreads>
+struct HeaviestFirstScheduler {
+  struct SharedStorage {
+    int32_t sorted_len[kMaxSortedBatch];  // clamped lengths, heaviest first
+    uint16_t order[kMaxSortedBatch];      // the sequence of each rank
+  };
+
+  // Sequences sorted by clamped length, descending, ties by index: order[rank] = b and
+  // sorted_len[rank] = n_b. All threads; sorted_len holds the lengths by b while ranking.
+  // The caller syncs the CTA before reading them.
+  static __device__ void sort_sequences(const AttentionParams& p, SharedStorage& ss) {
+    const int batch = int(p.batch);
+    if (batch > kMaxSortedBatch) return;
+    constexpr int kPer = (kMaxSortedBatch + kThreads - 1) / kThreads;
+    for (int b = threadIdx.x; b < batch; b += kThreads)
+      ss.sorted_len[b] = int(SeqlenInfo(p, b).seqlen_k);
+    __syncthreads();
+    int rank[kPer], len[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int b = threadIdx.x + i * kThreads;
+      rank[i] = 0;
+      len[i] = b < batch ? ss.sorted_len[b] : 0;
+      if (b < batch)
+        for (int j = 0; j < batch; ++j) {
+          const int nj = ss.sorted_len[j];
+          rank[i] += (nj > len[i]) || (nj == len[i] && j < b);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int b = threadIdx.x + i * kThreads;
+      if (b < batch) {
+        ss.order[rank[i]] = uint16_t(b);
+        ss.sorted_len[rank[i]] = len[i];
+      }
+    }
+  }
+
+  // The r-th unit of this CTA, or -1 past the end: a snake over the heaviest-first list.
+  static __device__ __forceinline__ int unit_of_round(int r, int num_units) {
+    const int g = int(gridDim.x), c = int(blockIdx.x);
+    const int u = r * g + ((r & 1) ? g - 1 - c : c);
+    return u < num_units ? u : -1;
+  }
+
+  // Unit u of the list (num_m_blocks row blocks per sequence and head).
+  static __device__ __forceinline__ Unit decode_unit(const AttentionParams& p, int num_m_blocks,
+                                                     const SharedStorage& ss, int u) {
+    const int per_seq = int(p.num_heads) * num_m_blocks;
+    const int rank = u / per_seq, rem = u % per_seq;
+    const bool sorted = p.batch <= kMaxSortedBatch;
+    Unit w;
+    w.b = sorted ? ss.order[rank] : rank;
+    if (sorted && p.cu_seqlens_q == nullptr) {  // padded: its length is in shared memory
+      w.n = ss.sorted_len[rank];
+      w.pack = w.b;
+      w.q_start = w.k_start = 0;
+      w.len_q = int(p.seqlen_q);
+    } else {
+      const SeqlenInfo seq(p, w.b);
+      w.n = int(seq.seqlen_k);
+      w.pack = int(seq.pack);
+      w.q_start = int(seq.q_start);
+      w.k_start = int(seq.k_start);
+      w.len_q = int(seq.seqlen_q);
+    }
+    // Row blocks from the sequence's last; slots past its first block are empty.
+    const int blocks = (w.len_q + kBlockM - 1) / kBlockM;
+    w.m_block = blocks - 1 - rem / int(p.num_heads);
+    w.h = rem % int(p.num_heads);
+    if (w.m_block < 0) {
+      w.rows = w.min_limit = w.max_first = w.key_end = w.n_tiles = w.t_begin = 0;
+      return w;
+    }
+    const int row0 = w.m_block * kBlockM;
+    w.rows = w.len_q - row0 < kBlockM ? w.len_q - row0 : kBlockM;
+    const Range first = key_range(p.mask(), row0, w.n, w.len_q);
+    const Range last = key_range(p.mask(), row0 + w.rows - 1, w.n, w.len_q);
+    w.min_limit = int(first.end);
+    w.max_first = int(last.begin);
+    w.key_end = int(last.end);
+    w.t_begin = int(first.begin) / kBlockN;
+    // No tile when no row may see a key (the union of the rows' ranges is empty).
+    w.n_tiles = w.key_end > first.begin ? (w.key_end + kBlockN - 1) / kBlockN : 0;
+    if (w.n_tiles == 0) w.t_begin = 0;
+    return w;
+  }
+};
+
+}  // namespace jax_varlen::cuda::sm90
