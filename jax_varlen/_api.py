@@ -9,7 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_varlen._autodiff import attention_with_grad, packed_attention_with_grad
+from jax_varlen._autodiff import (
+    attention_with_grad,
+    attention_with_sinks_grad,
+    packed_attention_with_grad,
+    packed_attention_with_sinks_grad,
+)
 from jax_varlen._config import AttentionConfig
 
 _FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
@@ -300,9 +305,8 @@ def with_sinks(out, lse, sinks, real_rows=None):
     out: ``[N, Sq, H, Dv]``; lse: float32 ``[N, H, Sq]``; sinks: float32 ``[H]``; real_rows:
     ``None`` (every row) or bool broadcastable to lse's shape.
 
-    A composition on the primitive's results, so it serves every backend at once; the plan for
-    the GPU's cost target (<= 3% over no sinks) is to fuse it into the kernels' epilogue (one
-    more term in the softmax denominator, no extra pass over out), issue 34.
+    Used where a kernel has no sinks of its own: ``paged_attention``'s in-place decode path
+    (``attention`` and ``packed_attention`` add the sinks inside the kernels, ffi/core/sinks.h).
     """
     sink = sinks[:, None]  # [H, 1]: broadcasts over lse's [N, H, Sq]
     empty = lse == -jnp.inf
@@ -420,9 +424,11 @@ def attention(
     config = make_config(query.shape[3], scale, is_causal, softcap, local_window_size)
     return_lse = check_flag("return_lse", return_lse)
     sinks = check_sinks(sinks, query.shape[2])
-    real_rows = None  # lse-shaped [B, 1, Sq]: the real query rows (None: all)
     if nonpad_q_seqlen is None:
-        out, lse = attention_with_grad(query, key, value, lengths, config)
+        if sinks is None:
+            out, lse = attention_with_grad(query, key, value, lengths, config)
+        else:
+            out, lse = attention_with_sinks_grad(query, key, value, lengths, sinks, config)
     else:
         # Per-sequence query counts: every sequence is a pack of its own with offsets [0, n_q]
         # and [0, n_kv] (ffi/core/params.h), so the packed primitive's kernels, which skip rows past
@@ -432,12 +438,12 @@ def attention(
         config = dataclasses.replace(config, max_seqlen_q=Sq, max_seqlen_k=Skv,
                                      padded_lengths=True)
         zero = jnp.zeros_like(lengths)
-        out, lse = packed_attention_with_grad(
-            query, key, value, jnp.stack([zero, q_lengths], axis=1),
-            jnp.stack([zero, lengths], axis=1), config)
-        real_rows = (jnp.arange(Sq)[None, :] < q_lengths[:, None])[:, None, :]
-    if sinks is not None:
-        out, lse = with_sinks(out, lse, sinks, real_rows)
+        offsets = (jnp.stack([zero, q_lengths], axis=1), jnp.stack([zero, lengths], axis=1))
+        if sinks is None:
+            out, lse = packed_attention_with_grad(query, key, value, *offsets, config)
+        else:
+            out, lse = packed_attention_with_sinks_grad(query, key, value, *offsets, sinks,
+                                                        config)
     if rank == 3:
         out = out.reshape(out.shape[:2] + (-1,))
     return (out, lse) if return_lse else out

@@ -24,6 +24,9 @@ real data propagates to the gradients it reaches.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -33,9 +36,11 @@ from jax_varlen._config import AttentionConfig
 from jax_varlen._primitive import (
     attention_fwd,
     attention_fwd_p,
+    attention_fwd_sinks_p,
     batch_rule,
     packed_attention_fwd,
     packed_attention_fwd_p,
+    packed_attention_fwd_sinks_p,
 )
 
 
@@ -69,6 +74,61 @@ def packed_attention_with_grad(query, key, value, cu_seqlens_q, cu_seqlens_k,
     """``(out, lse)`` of the packed forward primitive, differentiable in query, key and value
     (reverse mode, first order; none for the integer offsets)."""
     return tuple(packed_attention_fwd(query, key, value, cu_seqlens_q, cu_seqlens_k, config))
+
+
+def attention_with_sinks_grad(query, key, value, nonpad_kv_seqlen, sinks, config: AttentionConfig):
+    """``(out, lse)`` of the padded forward primitive with sinks (float32 ``[H]``, in the
+    kernels' softmax denominators), differentiable in query, key, value and sinks."""
+    return _with_sinks_grad(attention_fwd_sinks_p, attention_bwd_p, config)(
+        query, key, value, nonpad_kv_seqlen, sinks)
+
+
+def packed_attention_with_sinks_grad(query, key, value, cu_seqlens_q, cu_seqlens_k, sinks,
+                                     config: AttentionConfig):
+    """``(out, lse)`` of the packed forward primitive with sinks, differentiable in query, key,
+    value and sinks."""
+    return _with_sinks_grad(packed_attention_fwd_sinks_p, packed_attention_bwd_p, config)(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, sinks)
+
+
+@functools.cache
+def _with_sinks_grad(fwd_p, bwd_p, config: AttentionConfig):
+    """A ``custom_vjp`` over the forward primitive with sinks, ``f(query, key, value, *lengths,
+    sinks) -> (out, lse)``. Its out and lse include the sinks, so the backward primitive gives
+    d_query, d_key, d_value from them unchanged (the sink is one more softmax term whose value
+    is zero); and since d lse / d sinks[h] = exp(sinks[h] - lse) per row and d out / d sinks[h]
+    = -exp(sinks[h] - lse) out:
+      d_sinks[h] = -sum over real rows of exp(sinks[h] - lse) * delta,
+      delta = rowsum(d_out * out) - d_lse   (float32; rows of no sequence, lse = -inf, add 0).
+    Forward mode raises JAX's custom_vjp error; second order raises SECOND_ORDER_MESSAGE (the
+    backward primitive's JVP)."""
+
+    @jax.custom_vjp
+    def f(query, key, value, *lengths_and_sinks):
+        return tuple(fwd_p.bind(query, key, value, *lengths_and_sinks, config=config))
+
+    def fwd(query, key, value, *lengths_and_sinks):
+        out, lse = fwd_p.bind(query, key, value, *lengths_and_sinks, config=config)
+        return (out, lse), (query, key, value, *lengths_and_sinks, out, lse)
+
+    def bwd(residuals, cotangents):
+        query, key, value, *lengths, sinks, out, lse = residuals
+        d_out, d_lse = cotangents
+        d_out, d_lse = d_out.astype(out.dtype), d_lse.astype(jnp.float32)
+        d_query, d_key, d_value = bwd_p.bind(query, key, value, *lengths, out, lse, d_out, d_lse,
+                                             config=config)
+        # An elementwise product and a sum (never a dot, which the GPU would run in TF32).
+        rowsum = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
+        delta = jnp.swapaxes(rowsum, 1, 2) - d_lse  # [N, H, Sq]
+        # Rows of no sequence (lse = -inf) are selected away, never multiplied: their d_out
+        # may hold anything (NaN included).
+        real = lse > -jnp.inf
+        terms = jnp.where(real, jnp.exp(jnp.where(real, sinks[:, None] - lse, 0.0)) * delta, 0.0)
+        d_sinks = -jnp.sum(terms, axis=(0, 2))
+        return (d_query, d_key, d_value, *[None] * len(lengths), d_sinks)
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,11 @@ PACKED_CPU_TARGET = "jax_varlen_packed_attention_fwd_cpu"
 PACKED_CUDA_TARGET = "jax_varlen_packed_attention_fwd_cuda"
 PACKED_BWD_CPU_TARGET = "jax_varlen_packed_attention_bwd_cpu"
 PACKED_BWD_CUDA_TARGET = "jax_varlen_packed_attention_bwd_cuda"
+# The forward with attention sinks (_primitive.py, sinks [H] after the lengths).
+SINKS_CPU_TARGET = "jax_varlen_attention_fwd_sinks_cpu"
+SINKS_CUDA_TARGET = "jax_varlen_attention_fwd_sinks_cuda"
+PACKED_SINKS_CPU_TARGET = "jax_varlen_packed_attention_fwd_sinks_cpu"
+PACKED_SINKS_CUDA_TARGET = "jax_varlen_packed_attention_fwd_sinks_cuda"
 # The paged forward (_paged_primitive.py), CUDA only: the CPU gathers pages, then CPU_TARGET.
 PAGED_CUDA_TARGET = "jax_varlen_paged_attention_fwd_cuda"
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}  # the names XLA's registry expects

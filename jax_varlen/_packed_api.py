@@ -21,9 +21,8 @@ from jax_varlen._api import (
     dtype_name,
     make_config,
     split_or_check_heads,
-    with_sinks,
 )
-from jax_varlen._autodiff import packed_attention_with_grad
+from jax_varlen._autodiff import packed_attention_with_grad, packed_attention_with_sinks_grad
 
 _OFFSET_DTYPES = (jnp.int32, jnp.int64)
 _AXIS_NAMES = {
@@ -201,10 +200,11 @@ def packed_attention(
     return_lse = check_flag("return_lse", return_lse)
     sinks = check_sinks(sinks, query.shape[1])
     # One pack (the leading axis of the primitive, ffi/core/params.h): [1, Tq, H, D] and so on.
-    out, lse = packed_attention_with_grad(query[None], key[None], value[None], cu_q[None],
-                                          cu_k[None], config)
-    if sinks is not None:  # the rows a sequence owns: [0, cu_seqlens_q[-1])
-        out, lse = with_sinks(out, lse, sinks, jnp.arange(Tq) < cu_q[-1])
+    operands = (query[None], key[None], value[None], cu_q[None], cu_k[None])
+    if sinks is None:
+        out, lse = packed_attention_with_grad(*operands, config)
+    else:  # in the kernels' softmax denominators; rows of no sequence keep lse = -inf
+        out, lse = packed_attention_with_sinks_grad(*operands, sinks, config)
     out, lse = out[0], lse[0]
     if rank == 2:
         out = out.reshape(out.shape[:1] + (-1,))

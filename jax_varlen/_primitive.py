@@ -12,6 +12,11 @@ Results of both:
 Static parameter: ``config``, one frozen :class:`AttentionConfig` (packed: with the
 ``max_seqlen_q/k`` hints).
 
+``attention_fwd_sinks_p`` and ``packed_attention_fwd_sinks_p``: the same with one more operand,
+sinks float32 [H] (one logit per query head, gpt-oss), which the kernels add to every real
+row's softmax denominator (ffi/core/sinks.h): out and lse include it, so the backward
+primitives serve them unchanged (``_autodiff._with_sinks_grad`` adds ``d_sinks``).
+
 Both primitives lead every operand and result with the same axis (the batch, or the packs), so
 they share their abstract evaluation, their batching rule (a vmapped axis folds into that axis:
 for the packed layout, a vmapped axis becomes more packs, i.e. more sequences, in one launch)
@@ -45,6 +50,24 @@ def packed_attention_fwd(query, key, value, cu_seqlens_q, cu_seqlens_k, config: 
     """Binds the packed primitive; returns ``(out, lse)``."""
     return packed_attention_fwd_p.bind(query, key, value, cu_seqlens_q, cu_seqlens_k,
                                        config=config)
+
+
+attention_fwd_sinks_p = Primitive("jax_varlen_attention_fwd_sinks")
+attention_fwd_sinks_p.multiple_results = True
+packed_attention_fwd_sinks_p = Primitive("jax_varlen_packed_attention_fwd_sinks")
+packed_attention_fwd_sinks_p.multiple_results = True
+
+
+def attention_fwd_sinks(query, key, value, nonpad_kv_seqlen, sinks, config: AttentionConfig):
+    """Binds the padded primitive with sinks (float32 [H]); returns ``(out, lse)``."""
+    return attention_fwd_sinks_p.bind(query, key, value, nonpad_kv_seqlen, sinks, config=config)
+
+
+def packed_attention_fwd_sinks(query, key, value, cu_seqlens_q, cu_seqlens_k, sinks,
+                               config: AttentionConfig):
+    """Binds the packed primitive with sinks (float32 [H]); returns ``(out, lse)``."""
+    return packed_attention_fwd_sinks_p.bind(query, key, value, cu_seqlens_q, cu_seqlens_k, sinks,
+                                             config=config)
 
 
 def jit_impl(primitive):
@@ -88,14 +111,44 @@ def unfold_vmapped_axis(results, size):
     return [r.reshape((size, -1) + r.shape[1:]) for r in results]
 
 
-def batch_rule(primitive):
-    """The batching rule of a primitive whose operands and results all lead with its batch (or
-    packs) axis: a vmapped axis folds into it, [M, N, ...] -> [M * N, ...], one launch."""
+def batch_rule_of(bind):
+    """The batching rule of a binding ``bind(*operands, config) -> results`` whose operands and
+    results all lead with its batch (or packs) axis: a vmapped axis folds into it,
+    [M, N, ...] -> [M * N, ...], one launch."""
 
     def rule(args, dims, *, config):
         size, folded = fold_vmapped_axis(args, dims)
-        results = unfold_vmapped_axis(primitive.bind(*folded, config=config), size)
+        results = unfold_vmapped_axis(bind(*folded, config=config), size)
         return results, [0] * len(results)
+
+    return rule
+
+
+def batch_rule(primitive):
+    """``batch_rule_of`` for a primitive whose operands and results all lead with its batch."""
+    return batch_rule_of(lambda *operands, config: primitive.bind(*operands, config=config))
+
+
+def sinks_batch_rule(primitive):
+    """The batching rule of a forward primitive with sinks (its last operand, [H], which does
+    not lead with the batch): with the sinks unbatched, the others fold into the batch (one
+    launch); with batched sinks (each vmapped element its own), one call per element, in a
+    loop (``lax.map``)."""
+
+    def rule(args, dims, *, config):
+        if dims[-1] is None:
+            sinks = args[-1]
+            return batch_rule_of(lambda *folded, config: primitive.bind(*folded, sinks, config=config))(
+                args[:-1], dims[:-1], config=config)
+        batched = [None if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+
+        def one(elements):
+            it = iter(elements)
+            return primitive.bind(*[a if b is None else next(it) for a, b in zip(args, batched)],
+                                  config=config)
+
+        results = jax.lax.map(one, [b for b in batched if b is not None])
+        return list(results), [0] * len(results)
 
     return rule
 
@@ -103,6 +156,9 @@ def batch_rule(primitive):
 for _p in (attention_fwd_p, packed_attention_fwd_p):
     _p.def_impl(jit_impl(_p))
     batching.primitive_batchers[_p] = batch_rule(_p)
+for _p in (attention_fwd_sinks_p, packed_attention_fwd_sinks_p):
+    _p.def_impl(jit_impl(_p))
+    batching.primitive_batchers[_p] = sinks_batch_rule(_p)
 
 
 def ffi_attrs(config: AttentionConfig):
@@ -235,7 +291,37 @@ _sharding.register(
     targets=(_ffi.PACKED_CPU_TARGET, _ffi.PACKED_CUDA_TARGET),
 )
 
+# With sinks: the same, and sinks [H] split with the heads (whole kv-head groups). The sinks do
+# not lead with the batch, so XLA's batch partitioner does not apply: an exported call with
+# sinks runs unsplit (see _sharding.py).
+_sharding.register(
+    attention_fwd_sinks_p,
+    _sharding.ShardingRule(
+        operands=("b q (k g) d", "b s k d", "b s k e", "b", "(k g)"),  # ..., lengths, sinks
+        results=_RESULTS,
+        parallel=("b", "k"),
+    ),
+    abstract_eval=_abstract_eval,
+    lowerings={"cpu": lower_cpu(_ffi.SINKS_CPU_TARGET), "cuda": lower_cuda(_ffi.SINKS_CUDA_TARGET)},
+    targets=(_ffi.SINKS_CPU_TARGET, _ffi.SINKS_CUDA_TARGET),
+)
+_sharding.register(
+    packed_attention_fwd_sinks_p,
+    _sharding.ShardingRule(
+        # query, key, value, cu_seqlens_q, cu_seqlens_k, sinks
+        operands=("b q (k g) d", "b s k d", "b s k e", "b c", "b c", "(k g)"),
+        results=_RESULTS,
+        parallel=("b", "k"),
+    ),
+    abstract_eval=_abstract_eval,
+    lowerings={"cpu": lower_cpu(_ffi.PACKED_SINKS_CPU_TARGET),
+               "cuda": lower_cuda(_ffi.PACKED_SINKS_CUDA_TARGET)},
+    targets=(_ffi.PACKED_SINKS_CPU_TARGET, _ffi.PACKED_SINKS_CUDA_TARGET),
+)
+
 # Under checkify, lengths outside [0, Skv] and malformed offsets (or offsets past the hints) are
 # reported (elsewhere the kernels clamp them).
 _checkify.register_lengths_check(attention_fwd_p, 3, lambda q, k, v, n: k.shape[1])
 _checkify.register_cu_seqlens_check(packed_attention_fwd_p)
+_checkify.register_lengths_check(attention_fwd_sinks_p, 3, lambda q, k, v, n, s: k.shape[1])
+_checkify.register_cu_seqlens_check(packed_attention_fwd_sinks_p)

@@ -106,6 +106,32 @@ def test_sharded_jit_no_collectives(explicit, layout, dtype, heads, kw):
 
 
 @pytest.mark.parametrize("layout", ["batch", "heads", "both"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed-q-counts"])
+def test_sinks_sharded_no_collectives(layout, packed):
+    """Sinks in the kernels' denominators: the sinks [H] split with the heads, the batch and
+    whole kv-head groups with no communication; the bits of the one-device call."""
+    H, HKV = 8, 4
+    q, k, v, n = make_inputs(B, SQ, SKV, H, HKV, D, DV, jnp.float32, LENGTHS, seed=3)
+    sinks = jnp.asarray(np.linspace(-1.0, 2.0, H), jnp.float32)
+    n_q = jnp.asarray([5, 1, 0, 3, 5, 2, 4, 5], jnp.int32)
+
+    def f(q, k, v, n, n_q, s):
+        return jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=n_q if packed else None,
+                                    sinks=s, is_causal=True, return_lse=True)
+
+    ref_out, ref_lse = jax.jit(f)(q, k, v, n, n_q, sinks)
+    mesh = _mesh()
+    b, h = LAYOUTS[layout]
+    qkv = P(b, None, h, None)
+    sharded = _put(mesh, (q, k, v, n, n_q, sinks), (qkv, qkv, qkv, P(b), P(b), P(h)))
+    g = jax.jit(f)
+    assert _collectives(g.lower(*sharded).compile().as_text()) == []
+    out, lse = g(*sharded)
+    assert _spec(out) == (b, None, h, None) and _spec(lse) == (b, h, None)
+    assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
+
+
+@pytest.mark.parametrize("layout", ["batch", "heads", "both"])
 def test_paged_sharded_no_collectives(layout):
     """paged_attention read in place (the paged primitive): the batch (queries, lengths, block
     table) and whole kv-head groups (the caches' head axis) split with no communication, the

@@ -457,6 +457,11 @@ def test_sinks_forward_matches_oracle(backend, case):
     # ... and without sinks the same inputs give another result (the check above can fail).
     plain = jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq, **kw)
     assert float(jnp.abs(plain.astype(jnp.float32) - out.astype(jnp.float32)).max()) > 1e-3
+    # The sinks reach the kernels (their epilogues, ffi/core/sinks.h): one primitive with sinks.
+    jaxpr = str(jax.make_jaxpr(lambda s: jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq,
+                                                               sinks=s, **kw))(s))
+    name = "jax_varlen_attention_fwd_sinks" if nq is None else "jax_varlen_packed_attention_fwd_sinks"
+    assert name in jaxpr
 
 
 @_cases({name: _SINKS[name] for name in ("noncausal", "causal-empty-rows", "q-counts")}

@@ -21,6 +21,12 @@ struct AttentionParams {
   const void* v;                    // [batch, seqlen_k, kv_num_heads, head_dim_v]
   const int32_t* nonpad_kv_seqlen;  // [batch]; kernels clamp each n_b into [0, seqlen_k]
                                     // (nullptr in the packed layout: every key is valid)
+  // Attention sinks (gpt-oss): one logit per query head, float32 [num_heads], or nullptr. Every
+  // real row's softmax denominator gains exp(sinks[h]): lse = log(exp(sinks[h]) + sum_j
+  // exp(s_j)), out = sum_j exp(s_j - lse) v_j; a real row with no allowed key gives out = 0 and
+  // lse = sinks[h]. The kernels finish each row through finish_row (core/sinks.h); the
+  // backward is unchanged (given this lse and out, its P and delta already include the sink).
+  const float* sinks;
   // Outputs:
   void* out;   // [batch, seqlen_q, num_heads, head_dim_v], dtype of q
   float* lse;  // [batch, num_heads, seqlen_q] (packed: [num_packs, num_heads, pack_rows_q]),

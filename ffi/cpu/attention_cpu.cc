@@ -10,6 +10,7 @@
 #include "cpu/load.h"
 #include "cpu/numeric.h"
 #include "core/seqlen.h"
+#include "core/sinks.h"
 
 // This file is compiled once per instruction set (CMakeLists.txt): JV_CPU_ISA names the
 // namespace of this copy, e.g. jax_varlen::cpu::avx2 built with -mavx2 -mfma.
@@ -162,7 +163,7 @@ void run_item(const AttentionParams& p, int64_t item) {
     float* lse = p.lse + seq.lse_index(p, h, i0);  // rows i0, i0 + 1, ... are consecutive
     for (int64_t r = 0; r < first; ++r) {
       std::fill(out + r * p.out_row_stride, out + r * p.out_row_stride + Dv, from_float<T>(0.0f));
-      lse[r] = -std::numeric_limits<float>::infinity();
+      lse[r] = empty_row_lse(p, h);  // -inf, or the sink's logit
     }
     if (rows == 0) continue;
     out += first * p.out_row_stride;
@@ -195,9 +196,9 @@ void run_item(const AttentionParams& p, int64_t item) {
     for (int64_t r = 0; r < rows; ++r) {
       T* o = out + r * p.out_row_stride;
       const float* a = acc + r * Dvp;
-      const float inv_l = 1.0f / l[r];
-      for (int64_t e = 0; e < Dv; ++e) o[e] = from_float<T>(a[e] * inv_l);
-      lse[r] = m[r] + std::log(l[r]);
+      const RowFinish fin = finish_row</*kBase2=*/false>(m[r], l[r], sink_of(p, h));
+      for (int64_t e = 0; e < Dv; ++e) o[e] = from_float<T>(a[e] * fin.inv);
+      lse[r] = fin.lse;
     }
   }
 }

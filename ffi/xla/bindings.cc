@@ -19,12 +19,16 @@ extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_cpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_packed_attention_bwd_cpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_sinks_cpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_sinks_cpu(XLA_FFI_CallFrame*);
 #ifdef JAX_VARLEN_WITH_CUDA
 extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_packed_attention_bwd_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* jax_varlen_paged_attention_fwd_cuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_sinks_cuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_sinks_cuda(XLA_FFI_CallFrame*);
 #endif
 
 namespace {
@@ -54,7 +58,8 @@ const char* path_name(jax_varlen::BwdPath path) {
 
 NB_MODULE(_jax_varlen, m) {
   // {"cpu": {target: capsule}, "cuda": {target: capsule}}; "cuda" only in a CUDA build. Per
-  // platform: the padded and the packed forward and backward; CUDA also the paged forward (the
+  // platform: the padded and the packed forward (with and without sinks) and backward; CUDA also
+  // the paged forward (the
   // CPU gathers pages and runs the padded forward: jax_varlen/_paged_api.py).
   m.def("registrations", []() {
     nb::dict platforms, cpu;
@@ -62,6 +67,8 @@ NB_MODULE(_jax_varlen, m) {
     cpu["jax_varlen_attention_bwd_cpu"] = capsule(jax_varlen_attention_bwd_cpu);
     cpu["jax_varlen_packed_attention_fwd_cpu"] = capsule(jax_varlen_packed_attention_fwd_cpu);
     cpu["jax_varlen_packed_attention_bwd_cpu"] = capsule(jax_varlen_packed_attention_bwd_cpu);
+    cpu["jax_varlen_attention_fwd_sinks_cpu"] = capsule(jax_varlen_attention_fwd_sinks_cpu);
+    cpu["jax_varlen_packed_attention_fwd_sinks_cpu"] = capsule(jax_varlen_packed_attention_fwd_sinks_cpu);
     platforms["cpu"] = cpu;
 #ifdef JAX_VARLEN_WITH_CUDA
     nb::dict cuda;
@@ -70,6 +77,8 @@ NB_MODULE(_jax_varlen, m) {
     cuda["jax_varlen_packed_attention_fwd_cuda"] = capsule(jax_varlen_packed_attention_fwd_cuda);
     cuda["jax_varlen_packed_attention_bwd_cuda"] = capsule(jax_varlen_packed_attention_bwd_cuda);
     cuda["jax_varlen_paged_attention_fwd_cuda"] = capsule(jax_varlen_paged_attention_fwd_cuda);
+    cuda["jax_varlen_attention_fwd_sinks_cuda"] = capsule(jax_varlen_attention_fwd_sinks_cuda);
+    cuda["jax_varlen_packed_attention_fwd_sinks_cuda"] = capsule(jax_varlen_packed_attention_fwd_sinks_cuda);
     platforms["cuda"] = cuda;
 #endif
     return platforms;

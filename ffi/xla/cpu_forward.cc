@@ -1,4 +1,4 @@
-// XLA FFI handlers of the CPU forward, padded and packed: validate, fill AttentionParams, and
+// XLA FFI handlers of the CPU forward, padded and packed, with and without sinks: validate, fill AttentionParams, and
 // run the work items on XLA's intra-op thread pool (the calling thread works too).
 #include "cpu/attention_cpu.h"
 #include "cpu/packed_fill.h"
@@ -42,6 +42,27 @@ ffi::Error packed_attention_fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query,
                                           *lse, *a));
 }
 
+// With attention sinks (params.h): the same, and sinks [H] after the lengths.
+ffi::Error attention_fwd_sinks_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key,
+                                   ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
+                                   ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/false);
+  if (!a) return a.error();
+  return run_fwd(pool, with_sinks(make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, *a), sinks));
+}
+
+ffi::Error packed_attention_fwd_sinks_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key,
+                                          ffi::AnyBuffer value, ffi::Buffer<ffi::S32> cu_seqlens_q,
+                                          ffi::Buffer<ffi::S32> cu_seqlens_k, ffi::Buffer<ffi::F32> sinks,
+                                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                          ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/true);
+  if (!a) return a.error();
+  return run_fwd(pool, with_sinks(make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, *out, *lse, *a),
+                                  sinks));
+}
+
 }  // namespace
 }  // namespace jax_varlen
 
@@ -52,3 +73,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_fwd_cpu, jax_varlen::packed_attention_fwd_cpu,
     (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPacked, /*kBackward=*/false, /*kWorkspace=*/false>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_varlen_attention_fwd_sinks_cpu, jax_varlen::attention_fwd_sinks_cpu,
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPadded, /*kBackward=*/false, /*kWorkspace=*/false, /*kSinks=*/true>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_varlen_packed_attention_fwd_sinks_cpu, jax_varlen::packed_attention_fwd_sinks_cpu,
+    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPacked, /*kBackward=*/false, /*kWorkspace=*/false, /*kSinks=*/true>()));

@@ -1,4 +1,5 @@
-// XLA FFI handlers of the CUDA forward and backward, padded and packed. Lengths and offsets stay
+// XLA FFI handlers of the CUDA forward (padded, packed, paged; with and without sinks) and
+// backward (padded and packed). Lengths and offsets stay
 // on the device (kernels read them), nothing is allocated and nothing synchronizes, so XLA may
 // capture the calls into a CUDA graph.
 #include <cuda_runtime.h>
@@ -90,6 +91,30 @@ ffi::Error packed_attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, 
   if (!a) return a.error();
   return run_fwd(make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, *out, *lse, *a), stream,
                  workspace);
+}
+
+// With attention sinks (params.h): the same, and sinks [H] after the lengths.
+ffi::Error attention_fwd_sinks_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key,
+                                    ffi::AnyBuffer value, ffi::Buffer<ffi::S32> nonpad_kv_seqlen,
+                                    ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> workspace, ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/false);
+  if (!a) return a.error();
+  return run_fwd(with_sinks(make_params(query, key, value, nonpad_kv_seqlen, *out, *lse, *a), sinks), stream,
+                 workspace);
+}
+
+ffi::Error packed_attention_fwd_sinks_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key,
+                                           ffi::AnyBuffer value, ffi::Buffer<ffi::S32> cu_seqlens_q,
+                                           ffi::Buffer<ffi::S32> cu_seqlens_k, ffi::Buffer<ffi::F32> sinks,
+                                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                           ffi::Result<ffi::Buffer<ffi::F32>> workspace, ffi::Dictionary attrs) {
+  const auto a = read_attrs(attrs, /*packed=*/true);
+  if (!a) return a.error();
+  return run_fwd(
+      with_sinks(make_packed_params(query, key, value, cu_seqlens_q, cu_seqlens_k, *out, *lse, *a), sinks),
+      stream, workspace);
 }
 
 // The paged forward (make_paged_params): the split-KV kernel reads the caches' pages in place.
@@ -188,4 +213,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_varlen_packed_attention_bwd_cuda, jax_varlen::packed_attention_bwd_cuda,
     (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPacked, /*kBackward=*/true, /*kWorkspace=*/true>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_varlen_attention_fwd_sinks_cuda, jax_varlen::attention_fwd_sinks_cuda,
+    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPadded, /*kBackward=*/false, /*kWorkspace=*/true, /*kSinks=*/true>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_varlen_packed_attention_fwd_sinks_cuda, jax_varlen::packed_attention_fwd_sinks_cuda,
+    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPacked, /*kBackward=*/false, /*kWorkspace=*/true, /*kSinks=*/true>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -42,6 +42,7 @@ inline ffi::Unexpected<ffi::Error> bad_argument(const std::string& what) {
 //             on the device; paged (CUDA forward only): key and value are the caches
 //             [num_pages, page_size, Hkv, D / Dv], then seqlens_k [B] and block_table
 //             [B, max_pages] (make_paged_params);
+//             forward with sinks (the *_sinks targets): then sinks [H], float32 (with_sinks);
 //             backward only: out, lse [B, H, Sq] (f32), d_out (out's dtype), d_lse (f32);
 //   results   forward: out, lse; backward: d_query, d_key, d_value, delta (f32, lse's shape: a
 //             workspace); then, with kWorkspace (CUDA), the plan's f32 workspace [N, per pack]
@@ -52,13 +53,21 @@ inline ffi::Unexpected<ffi::Error> bad_argument(const std::string& what) {
 // helper appends at least one entry, so each returns a fresh builder.)
 enum class Lengths { kPadded, kPacked, kPaged };
 template <Lengths kLengths, typename B>
-auto bind_lengths(B&& b) {
+auto bind_lengths_only(B&& b) {
   if constexpr (kLengths == Lengths::kPaged)
     return std::move(b).template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::Buffer<ffi::S32>>();  // seqlens_k, block_table
   else if constexpr (kLengths == Lengths::kPacked)
     return std::move(b).template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::Buffer<ffi::S32>>();  // cu_seqlens_q, _k
   else
     return std::move(b).template Arg<ffi::Buffer<ffi::S32>>();  // nonpad_kv_seqlen
+}
+// The lengths, then with kSinks the sinks [H] (float32).
+template <Lengths kLengths, bool kSinks, typename B>
+auto bind_lengths(B&& b) {
+  if constexpr (kSinks)
+    return bind_lengths_only<kLengths>(std::move(b)).template Arg<ffi::Buffer<ffi::F32>>();  // sinks
+  else
+    return bind_lengths_only<kLengths>(std::move(b));
 }
 template <bool kBackward, typename B>
 auto bind_outputs(B&& b) {
@@ -80,9 +89,9 @@ auto bind_attrs(B&& b) {
   if constexpr (kWorkspace) return std::move(b).template Ret<ffi::Buffer<ffi::F32>>().Attrs();  // the plan's
   else return std::move(b).Attrs();
 }
-template <typename Ctx, Lengths kLengths, bool kBackward, bool kWorkspace>
+template <typename Ctx, Lengths kLengths, bool kBackward, bool kWorkspace, bool kSinks = false>
 auto bind_attention() {
-  return bind_attrs<kWorkspace>(bind_outputs<kBackward>(bind_lengths<kLengths>(ffi::Ffi::Bind()
+  return bind_attrs<kWorkspace>(bind_outputs<kBackward>(bind_lengths<kLengths, kSinks>(ffi::Ffi::Bind()
                                                                                    .Ctx<Ctx>()
                                                                                    .template Arg<ffi::AnyBuffer>()  // query
                                                                                    .template Arg<ffi::AnyBuffer>()  // key
@@ -300,6 +309,17 @@ inline ffi::ErrorOr<AttentionParams> make_paged_params(
   p.k_batch_stride = p.page_size * p.k_row_stride;          // a page
   p.v_batch_stride = p.page_size * p.v_row_stride;
   return p;
+}
+
+// Attention sinks for params of either layout: sinks [H] float32, one logit per query head.
+inline ffi::ErrorOr<AttentionParams> with_sinks(ffi::ErrorOr<AttentionParams> params, ffi::Buffer<ffi::F32> sinks) {
+  if (!params) return params;
+  const auto sd = sinks.dimensions();
+  if (sd.size() != 1 || sd[0] != params->num_heads)
+    return bad_argument("sinks has shape " + dims_string(sd) + ", expected [" + std::to_string(params->num_heads) +
+                        "] (one logit per query head)");
+  params->sinks = sinks.typed_data();
+  return params;
 }
 
 // The backward's buffers (ffi/core/params.h, BackwardParams), for the forward's params `fwd` (either

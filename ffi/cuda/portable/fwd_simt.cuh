@@ -14,6 +14,7 @@
 #include "cuda/portable/convert.h"
 #include "plan/limits.h"
 #include "core/seqlen.h"
+#include "core/sinks.h"
 
 namespace jax_varlen::cuda::portable {
 
@@ -67,11 +68,11 @@ __global__ void __launch_bounds__(32 * kSimtWarps) fwd_simt_kernel(const __grid_
   // "No allowed key" is decided by the row's key range, never by l, so NaN/Inf in real data
   // propagates (SPEC: non-finite real data).
   const bool any = !keys.empty();
-  const float inv = any ? 1.0f / l : 0.0f;
+  const RowFinish fin = any ? finish_row</*kBase2=*/false>(m, l, sink_of(p, h)) : RowFinish{0.0f, empty_row_lse(p, h)};
 #pragma unroll
   for (int c = 0; c < kSimtPerLane; ++c)
-    if (lane + 32 * c < Dv) out[lane + 32 * c] = store_float<Elem>(acc[c] * inv);
-  if (lane == 0) p.lse[seq.lse_index(p, h, i)] = any ? m + logf(l) : -INFINITY;
+    if (lane + 32 * c < Dv) out[lane + 32 * c] = store_float<Elem>(acc[c] * fin.inv);
+  if (lane == 0) p.lse[seq.lse_index(p, h, i)] = fin.lse;
 }
 
 template <typename Elem>

@@ -14,6 +14,7 @@
 #include "cuda/sm80/softmax.h"
 #include "cuda/sm80/split_layout.h"
 #include "core/seqlen.h"
+#include "core/sinks.h"
 
 namespace jax_varlen::cuda::sm80 {
 
@@ -57,9 +58,9 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   const Range keys = key_range(p.mask(), i, seq.seqlen_k, seq.seqlen_q);
   const int64_t split0 = keys.begin / p.split_keys;
   const int splits = keys.empty() ? 0 : int((keys.end + p.split_keys - 1) / p.split_keys - split0);
-  if (splits == 0) {  // no allowed key: zeros, lse = -inf
+  if (splits == 0) {  // no allowed key: zeros, lse = -inf (the sink's logit)
     for (int col = threadIdx.x; col < p.head_dim_v; col += blockDim.x) out[col] = Elem(0.0f);
-    if (threadIdx.x == 0) p.lse[seq.lse_index(p, h, i)] = -INFINITY;
+    if (threadIdx.x == 0) p.lse[seq.lse_index(p, h, i)] = empty_row_lse(p, h);
     return;
   }
   const int64_t rows_pad = rows_padded(p);
@@ -94,14 +95,16 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   for (int c = 0; c < kCols; ++c) part[warp][lane + 32 * c] = acc[c];
   __syncthreads();
 
-  const float inv = 1.0f / sum;
+  // The splits' partials are normalized, so the row's (m, l) in base 2 is (mx, sum) and its
+  // accumulator the weighted sum of the partials: finish_row adds the sink (core/sinks.h).
+  const RowFinish fin = finish_row</*kBase2=*/true>(mx, sum, sink_of(p, h));
   for (int col = threadIdx.x; col < p.head_dim_v; col += blockDim.x) {
     float total = part[0][col];
 #pragma unroll
     for (int w = 1; w < kCombineWarps; ++w) total += part[w][col];
-    out[col] = Elem(total * inv);
+    out[col] = Elem(total * fin.inv);
   }
-  if (threadIdx.x == 0) p.lse[seq.lse_index(p, h, i)] = (mx + log2f(sum)) * 0.6931471805599453f;
+  if (threadIdx.x == 0) p.lse[seq.lse_index(p, h, i)] = fin.lse;
 }
 
 }  // namespace jax_varlen::cuda::sm80

@@ -14,6 +14,7 @@
 #include "cuda/sm80/mainloop.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile.h"
+#include "core/sinks.h"
 
 namespace jax_varlen::cuda::sm80 {
 
@@ -58,12 +59,12 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
   auto out_row = [&](int64_t r) { return out + seq.out_index(p, r / group, g * group + r % group); };
   auto lse_at = [&](int64_t r) -> float& { return p.lse[seq.lse_index(p, g * group + r % group, r / group)]; };
 
-  if (blk.max_limit <= blk.min_first) {  // no row of this block may see a key: zero rows, lse = -inf
+  if (blk.max_limit <= blk.min_first) {  // no row of this block may see a key: zero rows, lse = -inf (the sink)
     const int64_t chunks = p.head_dim_v / 8;  // 16-byte stores: head_dim_v % 8 == 0 here
     for (int64_t idx = threadIdx.x; idx < (blk.row_end - blk.row_begin) * chunks; idx += Tr::kThreads) {
       const int64_t r = blk.row_begin + idx / chunks, chunk = idx % chunks;
       *reinterpret_cast<uint4*>(out_row(r) + chunk * 8) = make_uint4(0, 0, 0, 0);
-      if (chunk == 0) lse_at(r) = -INFINITY;
+      if (chunk == 0) lse_at(r) = empty_row_lse(p, g * group + r % group);
     }
     return;
   }
@@ -92,8 +93,8 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
   mainloop<Ml, kSoftcap>(sQ, warp * 16 * kMT, ring, kv, keys, first, limit, int(blk.min_limit),
                          int(blk.max_first), ScoreScale(p.scale, p.softcap), acc);
 
-  // Epilogue: o / l rounded once to Elem; rows with nothing allowed give 0 and lse = -inf.
-  const float kLn2 = 0.6931471805599453f;
+  // Epilogue: o / l rounded once to Elem (core/sinks.h: with the sink in the denominator); rows
+  // with nothing allowed give 0 and lse = -inf (the sink's logit).
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -106,7 +107,14 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
       // "No allowed key" is decided by the row's key range, never by its sum, so NaN/Inf in real
       // data propagates (SPEC: non-finite real data).
       const bool any = limit[mt][rr] > first[mt][rr];
-      const float inv = any ? 1.0f / sum : 0.0f;
+      RowFinish fin{0.0f, -INFINITY};
+      if (p.sinks == nullptr) {
+        if (any) fin = finish_row</*kBase2=*/true>(acc.m[mt][rr], sum, nullptr);
+      } else {
+        const int64_t h = g * group + r % group;
+        fin = any ? finish_row</*kBase2=*/true>(acc.m[mt][rr], sum, p.sinks + h) : RowFinish{0.0f, p.sinks[h]};
+      }
+      const float inv = fin.inv;
       Elem* row = out_row(r);
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
@@ -114,7 +122,7 @@ __global__ void __launch_bounds__(TcTraits<kHeadDim>::kThreads, TcTraits<kHeadDi
         if (col < p.head_dim_v)
           *reinterpret_cast<uint32_t*>(row + col) = pack2<Elem>(acc.o[mt][dt][2 * rr] * inv, acc.o[mt][dt][2 * rr + 1] * inv);
       }
-      if ((lane & 3) == 0) lse_at(r) = any ? acc.m[mt][rr] * kLn2 + logf(sum) : -INFINITY;
+      if ((lane & 3) == 0) lse_at(r) = fin.lse;
     }
 }
 

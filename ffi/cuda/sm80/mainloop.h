@@ -129,7 +129,8 @@ __device__ __forceinline__ void mainloop(const Elem* sQ, int q_row0, Elem* ring,
     if (n0 < keys.end) {
       if constexpr (KV::kPaged)
         load_runs<kHeadDim, kBlockN, Ml::kTeamThreads, kPagedRun>(
-            k_tile(slot), [&](int r) { return kv.k(n0 + r); }, kv.p.k_row_stride, rows_left(n0), kv.p.head_dim, tid);
+            k_tile(slot), [&](int r) { return kv.k(n0 + r); }, static_cast<const Elem*>(kv.p.k), kv.p.k_row_stride,
+            rows_left(n0), kv.p.head_dim, tid);
       else
         load_rows<kHeadDim, kBlockN, Ml::kTeamThreads>(k_tile(slot), kv.k(n0), kv.p.k_row_stride, rows_left(n0),
                                                         kv.p.head_dim, tid);
@@ -140,8 +141,8 @@ __device__ __forceinline__ void mainloop(const Elem* sQ, int q_row0, Elem* ring,
     if (n0 < keys.end) {
       if constexpr (KV::kPaged)
         load_runs<kHeadDim, kBlockN, Ml::kTeamThreads, kPagedRun>(
-            v_tile(slot), [&](int r) { return kv.v(n0 + r); }, kv.p.v_row_stride, rows_left(n0), kv.p.head_dim_v,
-            tid);
+            v_tile(slot), [&](int r) { return kv.v(n0 + r); }, static_cast<const Elem*>(kv.p.v), kv.p.v_row_stride,
+            rows_left(n0), kv.p.head_dim_v, tid);
       else
         load_rows<kHeadDim, kBlockN, Ml::kTeamThreads>(v_tile(slot), kv.v(n0), kv.p.v_row_stride, rows_left(n0),
                                                         kv.p.head_dim_v, tid);

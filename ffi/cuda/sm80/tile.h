@@ -59,15 +59,15 @@ __device__ __forceinline__ void load_rows(Elem* tile, const Elem* first, int64_t
 // anywhere (the pages of a paged cache): run_start(r) gives the address of row r of the tile for
 // r a multiple of kRun below `rows`. A thread's rows tid / kChunks + i * kRowStep stay in the
 // run of i * kRowStep (kRowStep divides kRun), so each run's start is asked once per thread.
+// `any` is a valid address (the tensor's base), the operand of the zero-filling copies.
 template <int kHeadDim, int kRows, int kThreads, int kRun, typename Elem, typename RunStart>
-__device__ __forceinline__ void load_runs(Elem* tile, RunStart run_start, int64_t stride, int rows, int64_t dim,
-                                          unsigned tid) {
+__device__ __forceinline__ void load_runs(Elem* tile, RunStart run_start, const Elem* any, int64_t stride, int rows,
+                                          int64_t dim, unsigned tid) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kRowStep = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0 && kRun % kRowStep == 0 && kRows % kRun == 0);
   const int chunk = tid % kChunks, row0 = tid / kChunks;
   const bool col_ok = chunk * 8 < dim;
-  const Elem* any = run_start(0);  // row 0 is real (rows >= 1): the operand of zero-fills
 #pragma unroll
   for (int run = 0; run < kRows; run += kRun) {
     if (run >= rows) {  // a run past the keys: zeros, and no block-table read

@@ -30,6 +30,7 @@
 
 #include "cuda/sm90/common.h"
 #include "cuda/sm90/tile_scheduler.h"
+#include "core/sinks.h"
 
 namespace jax_varlen::cuda::sm90 {
 
@@ -328,7 +329,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
   Element* out = static_cast<Element*>(p.out);
-  const float kLn2 = 0.6931471805599453f;
 
   if (cwg == 0) named_arrive(int(FwdBarrier::kSchedWg0), Tr::kConsumerThreads);  // warpgroup 0 issues first
   auto sched_wait = [&] { named_sync(int(FwdBarrier::kSchedWg0) + cwg, Tr::kConsumerThreads); };
@@ -368,12 +368,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     float* lse_unit = p.lse + (int64_t(w.pack) * p.num_heads + w.h) * p.pack_rows_q + w.q_start;
     auto out_row = [&](int rr) { return out_unit + row_of[rr] * p.out_row_stride; };
 
-    if (w.n_tiles == 0) {  // no row of the unit sees a key: zero rows (16-byte stores), lse = -inf
+    if (w.n_tiles == 0) {  // no row of the unit sees a key: zero rows (16-byte stores), lse = -inf (the sink)
       const int chunks = int(p.head_dim_v / 8);
       Element* o = out_unit + row_base * p.out_row_stride;
       for (int idx = ct; idx < w.rows * chunks; idx += Tr::kConsumerThreads)
         *reinterpret_cast<uint4*>(o + (idx / chunks) * p.out_row_stride + (idx % chunks) * 8) = make_uint4(0, 0, 0, 0);
-      for (int r = ct; r < w.rows; r += Tr::kConsumerThreads) lse_unit[row_base + r] = -INFINITY;
+      const float empty_lse = empty_row_lse(p, w.h);  // -inf, or the sink's logit
+      for (int r = ct; r < w.rows; r += Tr::kConsumerThreads) lse_unit[row_base + r] = empty_lse;
       continue;
     }
 
@@ -491,7 +492,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       if (row_of[rr] >= w.len_q) continue;
       const bool any = limit[rr] > first[rr];
-      const float inv = any ? 1.0f / sum : 0.0f;
+      const RowFinish fin =  // core/sinks.h: 1 / l and lse, with the sink in the denominator
+          any ? finish_row</*kBase2=*/true>(softmax.m[rr], sum, sink_of(p, w.h)) : RowFinish{0.0f, empty_row_lse(p, w.h)};
+      const float inv = fin.inv;
       Element* o = out_row(rr);
 #pragma unroll
       for (int j = 0; j < kDT; ++j) {
@@ -504,7 +507,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
           *reinterpret_cast<cutlass::Array<Element, 2>*>(o + col) = pair;
         }
       }
-      if ((lane & 3) == 0) lse_unit[row_of[rr]] = any ? softmax.m[rr] * kLn2 + logf(sum) : -INFINITY;
+      if ((lane & 3) == 0) lse_unit[row_of[rr]] = fin.lse;
     }
   }
 }
