@@ -264,60 +264,25 @@ def lower_cuda(target: str):
 
 # Sharded jit splits batch (packs) and whole kv-head groups with no communication; the sequence
 # and head-size axes stay whole (see _sharding.py for the mechanism and its limits). The packed
-# layout's offsets [N, B + 1] stay whole per pack.
+# layout's offsets [N, B + 1] stay whole per pack. With sinks, the sinks [H] split with the
+# heads (whole kv-head groups); they do not lead with the batch, so XLA's batch partitioner does
+# not apply: an exported call with sinks runs unsplit (see _sharding.py).
 _RESULTS = ("b q (k g) e", "b (k g) q")  # out, lse; query head h = k * (H // Hkv) + g
-_sharding.register(
-    attention_fwd_p,
-    _sharding.ShardingRule(
-        operands=("b q (k g) d", "b s k d", "b s k e", "b"),  # query, key, value, lengths
-        results=_RESULTS,
-        parallel=("b", "k"),
-    ),
-    abstract_eval=_abstract_eval,
-    lowerings={"cpu": lower_cpu(_ffi.CPU_TARGET), "cuda": lower_cuda(_ffi.CUDA_TARGET)},
-    targets=(_ffi.CPU_TARGET, _ffi.CUDA_TARGET),
-)
-_sharding.register(
-    packed_attention_fwd_p,
-    _sharding.ShardingRule(
-        # query, key, value, cu_seqlens_q, cu_seqlens_k
-        operands=("b q (k g) d", "b s k d", "b s k e", "b c", "b c"),
-        results=_RESULTS,
-        parallel=("b", "k"),
-    ),
-    abstract_eval=_abstract_eval,
-    lowerings={"cpu": lower_cpu(_ffi.PACKED_CPU_TARGET),
-               "cuda": lower_cuda(_ffi.PACKED_CUDA_TARGET)},
-    targets=(_ffi.PACKED_CPU_TARGET, _ffi.PACKED_CUDA_TARGET),
-)
-
-# With sinks: the same, and sinks [H] split with the heads (whole kv-head groups). The sinks do
-# not lead with the batch, so XLA's batch partitioner does not apply: an exported call with
-# sinks runs unsplit (see _sharding.py).
-_sharding.register(
-    attention_fwd_sinks_p,
-    _sharding.ShardingRule(
-        operands=("b q (k g) d", "b s k d", "b s k e", "b", "(k g)"),  # ..., lengths, sinks
-        results=_RESULTS,
-        parallel=("b", "k"),
-    ),
-    abstract_eval=_abstract_eval,
-    lowerings={"cpu": lower_cpu(_ffi.SINKS_CPU_TARGET), "cuda": lower_cuda(_ffi.SINKS_CUDA_TARGET)},
-    targets=(_ffi.SINKS_CPU_TARGET, _ffi.SINKS_CUDA_TARGET),
-)
-_sharding.register(
-    packed_attention_fwd_sinks_p,
-    _sharding.ShardingRule(
-        # query, key, value, cu_seqlens_q, cu_seqlens_k, sinks
-        operands=("b q (k g) d", "b s k d", "b s k e", "b c", "b c", "(k g)"),
-        results=_RESULTS,
-        parallel=("b", "k"),
-    ),
-    abstract_eval=_abstract_eval,
-    lowerings={"cpu": lower_cpu(_ffi.PACKED_SINKS_CPU_TARGET),
-               "cuda": lower_cuda(_ffi.PACKED_SINKS_CUDA_TARGET)},
-    targets=(_ffi.PACKED_SINKS_CPU_TARGET, _ffi.PACKED_SINKS_CUDA_TARGET),
-)
+_QKV = ("b q (k g) d", "b s k d", "b s k e")  # query, key, value
+for _p, _lengths, _cpu, _cuda in (
+        (attention_fwd_p, ("b",), _ffi.CPU_TARGET, _ffi.CUDA_TARGET),
+        (packed_attention_fwd_p, ("b c", "b c"), _ffi.PACKED_CPU_TARGET, _ffi.PACKED_CUDA_TARGET),
+        (attention_fwd_sinks_p, ("b", "(k g)"), _ffi.SINKS_CPU_TARGET, _ffi.SINKS_CUDA_TARGET),
+        (packed_attention_fwd_sinks_p, ("b c", "b c", "(k g)"), _ffi.PACKED_SINKS_CPU_TARGET,
+         _ffi.PACKED_SINKS_CUDA_TARGET)):
+    _sharding.register(
+        _p,
+        # then nonpad_kv_seqlen [B], or cu_seqlens_q and cu_seqlens_k [N, B + 1]; then sinks
+        _sharding.ShardingRule(operands=_QKV + _lengths, results=_RESULTS, parallel=("b", "k")),
+        abstract_eval=_abstract_eval,
+        lowerings={"cpu": lower_cpu(_cpu), "cuda": lower_cuda(_cuda)},
+        targets=(_cpu, _cuda),
+    )
 
 # Under checkify, lengths outside [0, Skv] and malformed offsets (or offsets past the hints) are
 # reported (elsewhere the kernels clamp them).

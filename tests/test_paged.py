@@ -206,6 +206,20 @@ _IN_PLACE = {"decode-p16-bf16", "decode-only-p16-bf16-sinks", "speculative-p32-f
              "decode-only-p32-bf16-sinks"}
 
 
+def _case_inputs(case, hint=True):
+    """A case's paged cache and queries: ``(query, key_cache, value_cache, block_table,
+    seqlens_k, extra)``, extra = the packed form's ``cu_seqlens_q`` (and ``max_seqlen_q`` with
+    ``hint``)."""
+    form, dtype, ps, max_pages, H, Hkv, D, Dv, seqlens, queries, kw = case
+    dtype = DTYPES[dtype]
+    kc, vc, table, n, _, _ = _paged(seqlens, ps, max_pages, Hkv, D, Dv, dtype)
+    if form == "padded":
+        return _queries((len(seqlens), queries, H, D), dtype), kc, vc, table, n, {}
+    q, cu = _packed_queries(queries, 3, H, D, dtype)
+    extra = dict(cu_seqlens_q=cu, max_seqlen_q=max(queries)) if hint else dict(cu_seqlens_q=cu)
+    return q, kc, vc, table, n, extra
+
+
 def _run_case(case):
     form, dtype, ps, max_pages, H, Hkv, D, Dv, seqlens, queries, kw = case
     dtype = DTYPES[dtype]
@@ -248,15 +262,9 @@ def test_pages_are_read_in_place_when_the_plan_takes_the_call(backend, name):
     """The plan's decision is the path the call takes: in-place calls bind the paged primitive
     (on the GPU its kernel reads the pages: the split-KV path ran with paged keys), the others
     gather the pages and bind no paged primitive."""
-    form, dtype, ps, max_pages, H, Hkv, D, Dv, seqlens, queries, kw = {**_CPU, **_GPU}[name]
-    dtype = DTYPES[dtype]
-    kc, vc, table, n, _, _ = _paged(seqlens, ps, max_pages, Hkv, D, Dv, dtype)
-    if form == "padded":
-        q, extra = _queries((len(seqlens), queries, H, D), dtype), {}
-    else:
-        q, cu = _packed_queries(queries, 3, H, D, dtype)
-        extra = dict(cu_seqlens_q=cu, max_seqlen_q=max(queries))
-    f = functools.partial(jax_varlen.paged_attention, **extra, **kw)
+    case = {**_CPU, **_GPU}[name]
+    q, kc, vc, table, n, extra = _case_inputs(case)
+    f = functools.partial(jax_varlen.paged_attention, **extra, **case[-1])
     jaxpr = str(jax.make_jaxpr(f)(q, kc, vc, table, n))
     assert ("jax_varlen_paged_attention_fwd" in jaxpr) == (name in _IN_PLACE)
     if backend == "gpu" and name in _IN_PLACE:
@@ -273,12 +281,7 @@ def test_merged_heads(backend, case):
     result, merged."""
     form, dtype, ps, max_pages, H, Hkv, D, Dv, seqlens, queries, kw = case
     dtype = DTYPES[dtype]
-    kc, vc, table, n, _, _ = _paged(seqlens, ps, max_pages, Hkv, D, Dv, dtype)
-    if form == "padded":
-        q, extra = _queries((len(seqlens), queries, H, D), dtype), {}
-    else:
-        q, cu = _packed_queries(queries, 3, H, D, dtype)
-        extra = dict(cu_seqlens_q=cu)
+    q, kc, vc, table, n, extra = _case_inputs(case, hint=False)
     split = jax_varlen.paged_attention(q, kc, vc, table, n, **extra, **kw)
     merge = lambda x: x.reshape(x.shape[:-2] + (-1,))  # noqa: E731
     merged = jax_varlen.paged_attention(merge(q), merge(kc), merge(vc), table, n, num_heads=H,
