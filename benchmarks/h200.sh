@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [sinks] [ncu] [cmd]
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [sinks] [ab] [ncu] [cmd]
 #   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
 # GPU-only files tests/test_gpu_*.py); bench = the forward on bench.py's FWD_SHAPES (issue 11's
@@ -9,7 +9,8 @@
 # cuDNN / FA3 / XLA and the packed pair; train = train + bwd records (jax_varlen / cuDNN / FA3
 # and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
-# 120 s); ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
+# 120 s); ab = a base build against this one (AB_BASE, AB_SHAPES, AB_S 500 s; see the stage);
+# ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
 # $CMD (run from /tmp with the build installed, $R = the repository root; limit CMD_S, 120 s).
 # The whole call is held to TOTAL_S (default 540 s, from the start of this script): each stage's
 # limit is cut to what is left, a stage with under 30 s left is skipped, and bench.py is told
@@ -96,6 +97,36 @@ for stage in $STAGES; do
     sinks) L=$(limit "${SINKS_S:-120}") || { echo "sinks: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/sinks_cost.py" --out "$OUT" >"$OUT/sinks.log" 2>&1
       tail -5 "$OUT/sinks.log" ;;
+    ab) L=$(limit "${AB_S:-500}") || { echo "ab: skipped (time)"; continue; }
+      # Issue 32 item 6: the base build against this one, in this call. AB_BASE is the base's
+      # source tree relative to the repository root (made before the call with
+      # `git archive BASE | tar -x -C .scratch/base`, carried with .scratch); it is built into
+      # /tmp/site_base and put first on PYTHONPATH for the base's runs. Both run this tree's
+      # bench.py on AB_SHAPES (default: every named padded and packed shape), jax_varlen and
+      # jax_varlen_packed only, forward then training step, base then new per pass;
+      # ab_compare.py writes the ratios (ab-fwd.md, ab-train.md).
+      t1=$(date +%s)
+      (cd "$R/${AB_BASE:?the ab stage needs AB_BASE}" && python3 -m pip install --no-build-isolation \
+        --no-deps --upgrade --target /tmp/site_base -C build-dir=build/h200-base \
+        -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . >"$OUT/ab-build.log" 2>&1) \
+        || { tail -20 "$OUT/ab-build.log"; continue; }
+      echo "ab: base build $(($(date +%s) - t1)) s"
+      ab_shapes=${AB_SHAPES:-d128-full,d128-skewed,d64-skewed,d128-causal-skewed,prefill-right-padded,docs-causal,docs-causal-d64,mixed-serve,d256-skewed}
+      runs=4  # bench.py runs left: each gets an equal share of what is left of L
+      for pass in fwd train; do
+        for side in base new; do
+          share=$(( (L - ($(date +%s) - t0)) / runs )); runs=$((runs - 1))
+          ((share < 40)) && { echo "ab: $pass $side skipped (time)"; continue; }
+          site=/tmp/site; [[ $side == base ]] && site=/tmp/site_base:/tmp/site
+          PYTHONPATH=$site timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/ab-$side" \
+            --tag "ab-$pass" --passes "$pass" --impls jax_varlen,jax_varlen_packed \
+            --train-impls jax_varlen,jax_varlen_packed --extra-dtype none --no-plot \
+            --budget-s $((share - 25)) --step-budget-s "${STEP_S:-15}" --shapes "$ab_shapes" \
+            >"$OUT/ab-$side-$pass.log" 2>&1
+        done
+        python3 "$R/benchmarks/ab_compare.py" "$OUT"/ab-base/*-ab-$pass.json "$OUT"/ab-new/*-ab-$pass.json \
+          --out "$OUT/ab-$pass.md" | tail -4
+      done ;;
     ncu) L=$(limit "${NCU_S:-200}") || { echo "ncu: skipped (time)"; continue; }
       # fwd_tc_kernel / fwd_split_kernel (sm80 path) and fwd_sm90_kernel (Hopper path)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$L" ncu --clock-control none \
@@ -112,7 +143,7 @@ for stage in $STAGES; do
         --budget-s $((L - 30)) 2>&1 | tee "$OUT/decode_sweep.log" | tail -24 ;;
     cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
       R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
-    *) echo "unknown stage $stage (tests bench train decode sweep ncu cmd)"; continue ;;
+    *) echo "unknown stage $stage (tests bench train decode sweep sinks ab ncu cmd)"; continue ;;
   esac
   echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done
