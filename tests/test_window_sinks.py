@@ -576,6 +576,34 @@ def test_jit_vmap_grad(backend, case):
         np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()), rtol=0)
 
 
+def test_sinks_under_remat_scan_and_forward_mode(backend):
+    """Sinks compose as the rest of the op: a scan over layers under jax.checkpoint gives the
+    gradients (d_sinks included) of the plain loop; forward mode raises (reverse mode only)."""
+    q, k, v, n, nq = (x[0] for x in _t_inputs(5, m=1))
+    sinks = jnp.stack([_sinks(_T["H"], seed=3), _sinks(_T["H"], seed=4)])  # [layers = 2, H]
+
+    def layer(x, s):
+        return jax_varlen.attention(x, k, v, n, nonpad_q_seqlen=nq, sinks=s, is_causal=True)
+
+    def looped(x, sinks):
+        for s in sinks:
+            x = layer(x, s)
+        return jnp.sum(x ** 2)
+
+    def scanned(x, sinks):
+        body = jax.checkpoint(lambda x, s: (layer(x, s), None))
+        return jnp.sum(jax.lax.scan(body, x, sinks)[0] ** 2)
+
+    x0 = jnp.where(jnp.isnan(q), 0.0, q)
+    want = jax.jit(jax.grad(looped, argnums=(0, 1)))(x0, sinks)
+    got = jax.jit(jax.grad(scanned, argnums=(0, 1)))(x0, sinks)
+    for g, w in zip(got, want):
+        assert np.isfinite(np.asarray(w)).all()
+        np.testing.assert_allclose(g, w, atol=1e-5 * float(jnp.abs(w).max()), rtol=1e-5)
+    with pytest.raises(TypeError, match="forward-mode|jvp"):
+        jax.jvp(lambda s: layer(x0, s), (sinks[0],), (sinks[0],))
+
+
 @_cases({"window": dict(local_window_size=(3, 1), is_causal=True),
          "sinks": dict(sinks=True, is_causal=True),
          "packed-window-sinks": dict(local_window_size=2, sinks=True, packed=True)},
