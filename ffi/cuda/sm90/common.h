@@ -1,6 +1,6 @@
 // Pieces that the Hopper kernels (fwd_sm90.cuh, bwd_sm90.cuh) share: the CuTe/CUTLASS includes,
 // dtype mapping, named barriers, ex2, the accumulator-to-A-operand register view, one wgmma
-// issue helper, and the SM count.
+// issue helper, the place in a ring of pipeline stages, and the SM count.
 #pragma once
 
 // The 64xNx16 wgmma shapes with N not a multiple of 32 (N = 80 key tiles at head dim 256).
@@ -68,6 +68,16 @@ __device__ __forceinline__ void wgmma_issue(Mma& mma, TA const& a, TB const& b, 
   warpgroup_fence_operand(c);
   if constexpr (kRegsA) warpgroup_fence_operand(const_cast<TA&>(a));
 }
+
+// Where a kStages-deep ring of mbarrier-guarded buffers stands: the stage, and the parity of
+// the phase its barriers are in. Producer and consumers each keep one and advance it alike.
+template <int kStages>
+struct PipelineState {
+  int stage = 0, phase = 0;
+  __device__ void advance() {
+    if (++stage == kStages) { stage = 0; phase ^= 1; }
+  }
+};
 
 // Number of SMs of the current device, read once per device.
 inline int sm_count() {

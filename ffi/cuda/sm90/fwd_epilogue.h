@@ -1,0 +1,96 @@
+// Consumer epilogue of the Hopper forward (fwd_sm90.cuh): a unit's O / l to out and its
+// log-sum-exp to lse, straight from the registers of the mainloop (fwd_mma.h), the attention
+// sinks through core/sinks.h's finish_row; a unit of which no row sees a key (no tile, never
+// loaded) gets zero rows instead. Query rows past the sequence's length are computed and never
+// stored.
+#pragma once
+
+#include "cuda/sm90/common.h"
+#include "cuda/sm90/fwd_mma.h"
+#include "cuda/sm90/tile_scheduler.h"
+#include "core/sinks.h"
+
+namespace jax_varlen::cuda::sm90 {
+
+// Where a unit's rows go: row i of the sequence, head h, is out row q_start + i of the pack;
+// lse [packs, heads, pack_rows_q].
+template <typename Element>
+struct FwdUnitOut {
+  Element* out;  // the sequence's row 0 (of the unit's head)
+  float* lse;
+};
+
+// One consumer thread (ct = 0..255 over both warpgroups). The constructor builds, once before the
+// unit loop, the coordinates of O; unit_out() runs per unit before the mainloop, then store() or,
+// for a unit with no tile, store_zeros().
+template <typename Tr>
+struct FwdEpilogue {
+  using Element = typename Tr::Element;
+  static constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim, kDT = kHeadDim / 8;
+  using ThrPV = decltype(std::declval<const typename Tr::TiledMmaPV&>().get_thread_slice(0));
+
+  const AttentionParams& p;
+  int ct;
+  int lane;
+  // (row, column) of this thread's O elements.
+  decltype(std::declval<const ThrPV&>().partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}))) cO;
+  Element* out;
+
+  __device__ __forceinline__ FwdEpilogue(const AttentionParams& p, int ct)
+      : p(p), ct(ct), lane(threadIdx.x % 32),
+        cO(typename Tr::TiledMmaPV{}.get_thread_slice(ct).partition_C(
+            make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}))),
+        out(static_cast<Element*>(p.out)) {}
+
+  __device__ __forceinline__ FwdUnitOut<Element> unit_out(const Unit& w) const {
+    return {out + int64_t(w.pack) * p.out_batch_stride + int64_t(w.q_start) * p.out_row_stride +
+                w.h * p.out_head_stride,
+            p.lse + (int64_t(w.pack) * p.num_heads + w.h) * p.pack_rows_q + w.q_start};
+  }
+
+  // Unit w has no tile: no row of the unit sees a key: zero rows (16-byte stores), lse = -inf (the sink).
+  __device__ __forceinline__ void store_zeros(const Unit& w, const FwdUnitOut<Element>& dst) const {
+    const int64_t row_base = int64_t(w.m_block) * kBlockM;  // of the sequence
+    const int chunks = int(p.head_dim_v / 8);
+    Element* o = dst.out + row_base * p.out_row_stride;
+    for (int idx = ct; idx < w.rows * chunks; idx += Tr::kConsumerThreads)
+      *reinterpret_cast<uint4*>(o + (idx / chunks) * p.out_row_stride + (idx % chunks) * 8) = make_uint4(0, 0, 0, 0);
+    const float empty_lse = empty_row_lse(p, w.h);  // -inf, or the sink's logit
+    for (int r = ct; r < w.rows; r += Tr::kConsumerThreads) dst.lse[row_base + r] = empty_lse;
+  }
+
+  // Unit w after its mainloop (fwd_mma.h) on rows r: tOrO holds O unnormalized, softmax the
+  // rows' max and partial sums. O / l rounded once; a row decides "no allowed key" by its range,
+  // never by its sum, so NaN or Inf in real data propagates (SPEC: non-finite real data).
+  template <bool kSoftcap, typename FragO>
+  __device__ __forceinline__ void store(const Unit& w, const FwdRows& r, const FwdUnitOut<Element>& dst,
+                                        const RowSoftmax<kSoftcap>& softmax, const FragO& tOrO) const {
+    auto out_row = [&](int rr) { return dst.out + r.row_of[rr] * p.out_row_stride; };
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float sum = softmax.l[rr];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      if (r.row_of[rr] >= w.len_q) continue;
+      const bool any = r.limit[rr] > r.first[rr];
+      const RowFinish fin =  // core/sinks.h: 1 / l and lse, with the sink in the denominator
+          any ? finish_row</*kBase2=*/true>(softmax.m[rr], sum, sink_of(p, w.h)) : RowFinish{0.0f, empty_row_lse(p, w.h)};
+      const float inv = fin.inv;
+      Element* o = out_row(rr);
+#pragma unroll
+      for (int j = 0; j < kDT; ++j) {
+        const int i = 4 * j + 2 * rr;
+        const int col = get<1>(cO(i));
+        if (col < p.head_dim_v) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = Element(tOrO(i) * inv);
+          pair[1] = Element(tOrO(i + 1) * inv);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(o + col) = pair;
+        }
+      }
+      if ((lane & 3) == 0) dst.lse[r.row_of[rr]] = fin.lse;
+    }
+  }
+};
+
+}  // namespace jax_varlen::cuda::sm90

@@ -1,0 +1,298 @@
+// Consumer mainloop of the Hopper forward (fwd_sm90.cuh): warpgroups 1 and 2, 64 query rows each
+// of a kBlockM = 128 row tile. Each runs S = Q K^T (SS wgmma), the online softmax in registers,
+// and O += P V (RS wgmma, P from registers). Inside a warpgroup, the softmax of tile t overlaps
+// the PV product of tile t + 1 (key tiles are walked from the last one down); between the two
+// warpgroups a pair of named barriers hands over the turn to issue GEMMs (ping-pong), so one
+// warpgroup's softmax (and, in short units, its epilogue, fwd_epilogue.h) runs under the other's
+// GEMMs. A partial last tile lands whole (fwd_load.h): its V rows past the last key are zeroed
+// before its P V (padding may hold NaN, and 0 * NaN would poison P V), while its K rows only feed
+// scores that the mask replaces by -inf.
+#pragma once
+
+#include "cuda/sm90/common.h"
+#include "cuda/sm90/tile_scheduler.h"
+
+namespace jax_varlen::cuda::sm90 {
+
+template <typename Tr> struct SharedStorage;  // fwd_sm90.cuh
+
+// Named barriers (bar.sync ids; 0 is __syncthreads): the consumer ping-pong (warpgroup i waits
+// on kSchedWg0 + i), and each consumer warpgroup's own barrier after it zeroed a V tail.
+enum class FwdBarrier : int { kSchedWg0 = 1, kSchedWg1 = 2, kZeroWg0 = 3, kZeroWg1 = 4 };
+// Units of at most this many key tiles hand over turns for every GEMM (see FwdMma::mma).
+constexpr int kShortUnitTiles = 4;
+
+// Online softmax of one consumer thread's rows. Scores live in base 2 (z = s * scale * log2 e,
+// or softcap * log2 e * tanh(s * scale / softcap)), so exp is one ex2.approx; m is the running
+// max in those units. The thread holds rows rr = 0, 1 (row, row + 8) of its warp; element
+// 4j + 2rr + c of a fragment is (row rr, column 8j + 2 * (lane % 4) + c).
+template <bool kSoftcap>
+struct RowSoftmax {
+  float m[2], l[2];  // running max (base 2) and this thread's partial row sums
+  float z_scale, z_cap;
+
+  __device__ RowSoftmax(float scale, float softcap)
+      : z_scale(softcap > 0.0f ? scale / softcap : scale * 1.4426950408889634f),
+        z_cap(softcap * 1.4426950408889634f) {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+  }
+
+  // s [kNT * 4] raw scores of 8 * kNT keys -> unnormalized probabilities exp2(z - m). Elements i with
+  // masked_out(i) get probability 0 when `masked` (uniform; only limit tiles). Returns in
+  // alpha the factor the output rows must be multiplied by (0 while nothing was allowed yet).
+  template <int kNT, typename MaskedOut>
+  __device__ __forceinline__ void step(float* s, bool masked, MaskedOut masked_out, float (&alpha)[2]) {
+    // With a positive scale and no softcap, the max is taken on raw scores and the scale rides in
+    // the exp's FFMA (scaling by z_scale > 0 is monotonic, also after rounding).
+    float factor = z_scale;
+    if (kSoftcap || !(z_scale > 0.0f)) {
+      factor = 1.0f;
+#pragma unroll
+      for (int i = 0; i < kNT * 4; ++i) {
+        float z = s[i] * z_scale;
+        if constexpr (kSoftcap) z = z_cap * tanhf(z);
+        s[i] = z;
+      }
+    }
+    if (masked) {
+#pragma unroll
+      for (int i = 0; i < kNT * 4; ++i)
+        if (masked_out(i)) s[i] = -INFINITY;
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      mx = fmaxf(m[rr], mx * factor);
+      const float m_use = mx == -INFINITY ? 0.0f : mx;
+      alpha[rr] = ex2_approx(m[rr] - m_use);
+      m[rr] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * j + 2 * rr + c];
+          x = ex2_approx(fmaf(x, factor, -m_use));
+          sum += x;
+        }
+      l[rr] = l[rr] * alpha[rr] + sum;
+    }
+  }
+};
+
+template <int kN>
+__device__ __forceinline__ void rescale_rows(float* o, const float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) o[i] *= alpha[(i / 2) & 1];
+}
+
+// This thread's two rows of a unit (local rows get<0>(cS(0)) and + 8) and their allowed keys
+// [first, limit) (mask.h, key_range; empty for rows past the sequence).
+struct FwdRows {
+  int first[2], limit[2];
+  int64_t row_of[2];  // rows of the sequence
+};
+
+// One consumer thread (ct = 0..255 over both warpgroups). The constructor builds, once before the
+// unit loop, the tiled MMAs, the wgmma descriptors of Q, K and V in shared memory and the
+// coordinates of S; rows() and mma() then run per unit.
+template <typename Tr, bool kSoftcap>
+struct FwdMma {
+  using Element = typename Tr::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+  static constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
+  using ShapeKh = Shape<Int<Tr::kHalfN>, Int<kHeadDim>, Int<kStages>>;
+
+  template <typename Layout0>
+  using SmemTensor = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), Layout0{}));
+  template <typename Mma>
+  using ThrMma = decltype(std::declval<const Mma&>().get_thread_slice(0));
+  using SQ = SmemTensor<typename Tr::SmemLayoutQ>;
+  using SK = SmemTensor<typename Tr::SmemLayoutK>;
+  using SVt = SmemTensor<typename Tr::SmemLayoutVt>;
+  using ThrQK = ThrMma<typename Tr::TiledMmaQK>;
+  using ThrQKh = ThrMma<typename Tr::TiledMmaQKHalf>;
+  using ThrPV = ThrMma<typename Tr::TiledMmaPV>;
+
+  SharedStorage<Tr>& ss;
+  int ct;
+  int cwg;           // consumer warpgroup: rows [64 * cwg, +64) of the unit
+  bool warp_leader;  // lane 0
+  SVt sVt;
+  typename Tr::TiledMmaQK mma_qk;
+  typename Tr::TiledMmaQKHalf mma_qk_half;
+  typename Tr::TiledMmaPV mma_pv;
+  decltype(std::declval<const ThrQK&>().partition_fragment_A(std::declval<SQ&>())) tSrQ;  // descriptors
+  decltype(std::declval<const ThrQK&>().partition_fragment_B(std::declval<SK&>())) tSrK;  // (MMA, MMA_N, MMA_K, stages)
+  decltype(std::declval<const ThrQKh&>().partition_fragment_A(std::declval<SQ&>())) tSrQh;
+  decltype(std::declval<const ThrQKh&>().partition_fragment_B(
+      local_tile(std::declval<SK&>(), ShapeKh{}, make_coord(0, 0, 0)))) tSrKh;
+  decltype(std::declval<const ThrPV&>().partition_fragment_B(std::declval<SVt&>())) tOrV;  // (MMA, MMA_N, MMA_K, stages)
+  // (row, column) of this thread's S elements, the same as O's row-wise.
+  decltype(std::declval<const ThrQK&>().partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}))) cS;
+
+  __device__ __forceinline__ FwdMma(SharedStorage<Tr>& ss, int ct)
+      : ss(ss), ct(ct), cwg(ct / 128), warp_leader(threadIdx.x % 32 == 0),
+        sVt(make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutVt{})),
+        tSrQ(mma_qk.get_thread_slice(ct).partition_fragment_A(sQ())),
+        tSrK(mma_qk.get_thread_slice(ct).partition_fragment_B(sK())),
+        tSrQh(mma_qk_half.get_thread_slice(ct).partition_fragment_A(sQ())),
+        tSrKh(mma_qk_half.get_thread_slice(ct).partition_fragment_B(  // the first kHalfN rows of each K stage
+            local_tile(sK(), ShapeKh{}, make_coord(0, 0, 0)))),
+        tOrV(mma_pv.get_thread_slice(ct).partition_fragment_B(sVt)),
+        cS(mma_qk.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}))) {}
+
+  __device__ __forceinline__ SQ sQ() const { return make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{}); }
+  __device__ __forceinline__ SK sK() const { return make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{}); }
+
+  // Warpgroup 0 issues first.
+  __device__ __forceinline__ void begin_turns() const {
+    if (cwg == 0) named_arrive(int(FwdBarrier::kSchedWg0), Tr::kConsumerThreads);
+  }
+  __device__ void sched_wait() const { named_sync(int(FwdBarrier::kSchedWg0) + cwg, Tr::kConsumerThreads); }
+  __device__ void sched_pass() const {
+    named_arrive(int(FwdBarrier::kSchedWg0) + (1 - cwg), Tr::kConsumerThreads);
+  }
+  __device__ void release(uint64_t* bar) const {
+    __syncwarp();
+    if (warp_leader) Barrier::arrive(bar);
+  }
+  // Zero V rows [rows, end) of stage s. Both warpgroups write the same zeros (so neither
+  // waits for the other), then each fences its writes for wgmma and syncs its own 128 threads.
+  __device__ void zero_v_tail(int s, int rows, int end) const {
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of one V row
+    for (int idx = ct % 128; idx < (end - rows) * kChunks; idx += 128)
+      *reinterpret_cast<uint4*>(&sVt((idx % kChunks) * 8, rows + idx / kChunks, s)) = make_uint4(0, 0, 0, 0);
+    cutlass::arch::fence_view_async_shared();
+    named_sync(int(FwdBarrier::kZeroWg0) + cwg, 128);
+  }
+
+  __device__ __forceinline__ FwdRows thread_rows(const AttentionParams& p, const Unit& w) const {
+    const int64_t row_base = int64_t(w.m_block) * kBlockM;  // of the sequence
+    FwdRows r;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      r.row_of[rr] = row_base + get<0>(cS(2 * rr));
+      const Range keys = r.row_of[rr] < w.len_q ? key_range(p.mask(), r.row_of[rr], w.n, w.len_q) : Range{0, 0};
+      r.first[rr] = int(keys.begin);
+      r.limit[rr] = int(keys.end);
+    }
+    return r;
+  }
+
+  // The mainloop of unit w (n_tiles > 0) on rows r: O unnormalized into tOrO (its old value
+  // unused), the rows' max and partial sums into softmax. pipe: this thread's place in the K and
+  // V rings; q_iter: the Q tiles consumed so far.
+  template <typename FragS, typename FragO, typename FragP>
+  __device__ __forceinline__ void mma(const Unit& w, const FwdRows& r, PipelineState<kStages>& pipe, int& q_iter,
+                                      RowSoftmax<kSoftcap>& softmax, FragS& tSrS, FragO& tOrO, FragP& tOrP) {
+    auto masked_out_at = [&](int n0) {  // element i of S: key n0 + its column, row half (i / 2) % 2
+      return [&, n0](int i) {
+        const int key = n0 + int(get<1>(cS(i)));
+        return key >= r.limit[(i / 2) & 1] || key < r.first[(i / 2) & 1];
+      };
+    };
+    // Tiles that reach past some row's limit or start before some row's first key are masked.
+    auto needs_mask = [&](int n0) { return n0 + kBlockN > w.min_limit || n0 < w.max_first; };
+    static_assert(decltype(size(tSrS))::value == kNT * 4 && decltype(size(tOrO))::value == kDT * 4);
+    auto convert_p = [&] {  // P = S rounded to Element, element by element in register order
+      cutlass::NumericArrayConverter<Element, float, kNT * 4> convert;
+      *reinterpret_cast<cutlass::Array<Element, kNT * 4>*>(tOrP.data()) =
+          convert(*reinterpret_cast<const cutlass::Array<float, kNT * 4>*>(tSrS.data()));
+    };
+    float alpha[2];
+
+    Barrier::wait(&ss.full_q, q_iter & 1);
+    ++q_iter;
+    // The last tile t = n_tiles - 1 first (masked). When it is partial its V rows past key_end
+    // are zeroed before its P V. When it holds at most kHalfN keys it runs whole on
+    // half-width products, and the next tile starts the overlapped loop instead.
+    int t = w.n_tiles - 1;
+    const int last_rows = w.key_end - t * kBlockN;  // in (0, kBlockN]
+    const bool half = last_rows <= Tr::kHalfN;
+    // Short units also take turns for their first and last GEMMs, so that one warpgroup's
+    // epilogue runs under the other's GEMMs; long units issue those two at once (measured
+    // faster there). Both warpgroups see the same unit, so the turns stay paired.
+    const bool edge_turns = w.n_tiles - w.t_begin <= kShortUnitTiles;
+    auto edge_wait = [&] { if (edge_turns) sched_wait(); };
+    auto edge_pass = [&] { if (edge_turns) sched_pass(); };
+    if (half) {
+      constexpr int kHalfNT = Tr::kHalfN / 8;
+      Tensor tSrSh = partition_fragment_C(mma_qk_half, Shape<Int<kBlockM>, Int<Tr::kHalfN>>{});
+      Barrier::wait(&ss.full_k[pipe.stage], pipe.phase);
+      edge_wait();
+      wgmma_issue<true>(mma_qk_half, tSrQh, tSrKh(_, _, _, pipe.stage), tSrSh);
+      edge_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_k[pipe.stage]);
+      softmax.template step<kHalfNT>(tSrSh.data(), true, masked_out_at(t * kBlockN), alpha);
+      Tensor tOrPh = make_tensor_like<Element>(make_tensor(tSrSh.data(), acc_to_a_layout(tSrSh.layout())));
+      cutlass::NumericArrayConverter<Element, float, kHalfNT * 4> convert;
+      *reinterpret_cast<cutlass::Array<Element, kHalfNT * 4>*>(tOrPh.data()) =
+          convert(*reinterpret_cast<const cutlass::Array<float, kHalfNT * 4>*>(tSrSh.data()));
+      Barrier::wait(&ss.full_v[pipe.stage], pipe.phase);
+      zero_v_tail(pipe.stage, last_rows, Tr::kHalfN);
+      edge_wait();
+      wgmma_issue<true>(mma_pv, tOrPh, tOrV(_, _, _, pipe.stage), tOrO);  // the k-blocks of tOrPh only
+      edge_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_v[pipe.stage]);
+      pipe.advance();
+      --t;
+    }
+    if (!half) clear(tOrO);
+    if (t >= w.t_begin) {  // S, softmax and P of tile t; its P V is the loop's (or the final) product
+      Barrier::wait(&ss.full_k[pipe.stage], pipe.phase);
+      edge_wait();
+      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, pipe.stage), tSrS);
+      edge_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_k[pipe.stage]);
+      softmax.template step<kNT>(tSrS.data(), true, masked_out_at(t * kBlockN), alpha);
+      rescale_rows<kDT * 4>(tOrO.data(), alpha);
+      convert_p();
+    }
+    for (; t > w.t_begin; --t) {
+      // S = Q K[t-1]^T and O += P V[t], issued back to back; the softmax of S runs under PV.
+      const int stage_v = pipe.stage, phase_v = pipe.phase;
+      if (t == w.n_tiles - 1 && last_rows < kBlockN && !half) {
+        Barrier::wait(&ss.full_v[stage_v], phase_v);
+        zero_v_tail(stage_v, last_rows, kBlockN);
+      }
+      pipe.advance();
+      Barrier::wait(&ss.full_k[pipe.stage], pipe.phase);
+      sched_wait();
+      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, pipe.stage), tSrS);
+      Barrier::wait(&ss.full_v[stage_v], phase_v);
+      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, stage_v), tOrO);
+      sched_pass();
+      warpgroup_wait<1>();
+      release(&ss.empty_k[pipe.stage]);
+      const int n0 = (t - 1) * kBlockN;
+      softmax.template step<kNT>(tSrS.data(), needs_mask(n0), masked_out_at(n0), alpha);
+      warpgroup_wait<0>();
+      release(&ss.empty_v[stage_v]);
+      rescale_rows<kDT * 4>(tOrO.data(), alpha);
+      convert_p();
+    }
+    release(&ss.empty_q);  // the last Q K^T of this unit is done: the producer may load the next Q
+    if (t == w.t_begin) {  // P V of the first tile
+      Barrier::wait(&ss.full_v[pipe.stage], pipe.phase);
+      if (w.n_tiles - w.t_begin == 1 && !half && last_rows < kBlockN) zero_v_tail(pipe.stage, last_rows, kBlockN);
+      edge_wait();
+      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, pipe.stage), tOrO);
+      edge_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_v[pipe.stage]);
+      pipe.advance();
+    }
+  }
+};
+
+}  // namespace jax_varlen::cuda::sm90
