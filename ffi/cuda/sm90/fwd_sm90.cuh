@@ -123,7 +123,7 @@ struct KernelParams {
   typename Tr::TmaV tma_v;
   AttentionParams p;
   int num_m_blocks;  // ceil(seqlen_q / kBlockM)
-  int num_units;     // batch * num_heads * num_m_blocks
+  int num_units;     // batch * num_heads * num_m_blocks: the list's slots (tile_scheduler.h)
 };
 
 // Thread roles: warpgroup 0 is the producer's (its warp 0 loads, the others exit), warpgroups
@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   }
   Sched::sort_sequences(p, ss.sched);
   __syncthreads();
+  const int num_units = Sched::num_units(p, kp.num_units, ss.sched);  // work-proportional
 
   const int group = int(p.num_heads / p.kv_num_heads);
   const FwdRole role = threadIdx.x < 128 ? FwdRole::kProducer : FwdRole::kConsumer;
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     PipelineState<Tr::kStages> pipe;
     int q_iter = 0;
     for (int r = 0;; ++r) {
-      const int u = Sched::unit_of_round(r, kp.num_units);
+      const int u = Sched::unit_of_round(r, num_units);
       if (u < 0) break;
       const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
       if (w.n_tiles == 0) continue;  // no row may see a key: the consumers write zeros
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   PipelineState<Tr::kStages> pipe;
   int q_iter = 0;
   for (int r = 0;; ++r) {
-    const int u = Sched::unit_of_round(r, kp.num_units);
+    const int u = Sched::unit_of_round(r, num_units);
     if (u < 0) break;
     const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
     const FwdRows rows = mainloop.thread_rows(p, w);

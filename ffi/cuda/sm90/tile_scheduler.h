@@ -9,11 +9,17 @@
 // The order depends only on the lengths; each unit is computed whole by one CTA, in the same
 // way wherever it runs, so results are bitwise deterministic and batch invariant.
 //
-// The list has batch * num_heads * num_m_blocks slots (num_m_blocks = ceil(seqlen_q / kBlockM),
-// the padded count): per_seq = num_heads * num_m_blocks slots per sequence, by rank, and within
-// one the row blocks from the last, heads fastest. Only its four constants tie it to a kernel,
-// and a unit's key bounds come from the mask (mask.h), so another kernel over units of query
-// rows can take it as is.
+// The list, by rank, within a sequence the row blocks from the last, heads fastest:
+// - padded batch: num_heads * num_m_blocks units per sequence (num_m_blocks = ceil(seqlen_q /
+//   kBlockM): every sequence has seqlen_q query rows);
+// - packed batch (packed_attention, or attention with nonpad_q_seqlen), sorted: work-
+//   proportional, num_heads * ceil(len_q / kBlockM) units per sequence (len_q its real query
+//   rows), first_unit (an exclusive prefix sum by rank, in shared memory) saying where each
+//   sequence's units start: a serving step (chunks and decode rows) walks no empty slots;
+// - unsorted (more than kMaxSortedBatch sequences): num_heads * num_m_blocks slots per
+//   sequence, those past its blocks empty.
+// Only its four constants tie it to a kernel, and a unit's key bounds come from the mask
+// (mask.h), so another kernel over units of query rows can take it as is.
 #pragma once
 
 #include "cuda/sm90/common.h"
@@ -44,13 +50,18 @@ struct Unit {
 template <int kBlockM, int kBlockN, int kMaxSortedBatch, int kThreads>
 struct HeaviestFirstScheduler {
   struct SharedStorage {
-    int32_t sorted_len[kMaxSortedBatch];  // clamped lengths, heaviest first
-    uint16_t order[kMaxSortedBatch];      // the sequence of each rank
+    union {
+      int32_t sorted_len[kMaxSortedBatch];  // padded: clamped lengths, heaviest first
+      int32_t first_unit[kMaxSortedBatch];  // packed: the first unit of each rank
+    };
+    int32_t packed_units;             // packed: the units of the whole list
+    uint16_t order[kMaxSortedBatch];  // the sequence of each rank
   };
 
-  // Sequences sorted by clamped length, descending, ties by index: order[rank] = b and
-  // sorted_len[rank] = n_b. All threads; sorted_len holds the lengths by b while ranking.
-  // The caller syncs the CTA before reading them.
+  // Sequences sorted by clamped length, descending, ties by index: order[rank] = b, and
+  // sorted_len[rank] = n_b (padded) or first_unit[rank] = num_heads * (row blocks of the ranks
+  // before) and packed_units (packed). All threads; sorted_len holds the lengths by b while
+  // ranking. The caller syncs the CTA before reading them.
   static __device__ void sort_sequences(const AttentionParams& p, SharedStorage& ss) {
     const int batch = int(p.batch);
     if (batch > kMaxSortedBatch) return;
@@ -71,14 +82,42 @@ struct HeaviestFirstScheduler {
         }
     }
     __syncthreads();
+    const bool packed = p.cu_seqlens_q != nullptr;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int b = threadIdx.x + i * kThreads;
       if (b < batch) {
         ss.order[rank[i]] = uint16_t(b);
-        ss.sorted_len[rank[i]] = len[i];
+        if (packed)  // its units, summed below
+          ss.first_unit[rank[i]] = int(p.num_heads) * int((SeqlenInfo(p, b).seqlen_q + kBlockM - 1) / kBlockM);
+        else
+          ss.sorted_len[rank[i]] = len[i];
       }
     }
+    if (!packed) return;
+    // first_unit: an inclusive scan by rank (Hillis-Steele, rank = thread), then each rank's own
+    // units subtracted.
+    static_assert(kThreads >= kMaxSortedBatch, "one rank per thread");
+    const int r = threadIdx.x;
+    __syncthreads();
+    const int own = r < batch ? ss.first_unit[r] : 0;
+    int sum = own;
+    for (int offset = 1; offset < batch; offset *= 2) {
+      const int add = r < batch && r >= offset ? ss.first_unit[r - offset] : 0;
+      __syncthreads();
+      sum += add;
+      if (r < batch) ss.first_unit[r] = sum;
+      __syncthreads();
+    }
+    if (r < batch) ss.first_unit[r] = sum - own;
+    if (r == (batch > 0 ? batch - 1 : 0)) ss.packed_units = sum;  // 0 for an empty batch
+  }
+
+  // How many units the list holds: the packed sorted batch's count, else `slots` = batch *
+  // num_heads * num_m_blocks (an unsorted packed batch's empty slots included). After
+  // sort_sequences and a sync.
+  static __device__ __forceinline__ int num_units(const AttentionParams& p, int slots, const SharedStorage& ss) {
+    return p.batch <= kMaxSortedBatch && p.cu_seqlens_q != nullptr ? ss.packed_units : slots;
   }
 
   // The r-th unit of this CTA, or -1 past the end: a snake over the heaviest-first list.
@@ -88,12 +127,27 @@ struct HeaviestFirstScheduler {
     return u < num_units ? u : -1;
   }
 
-  // Unit u of the list (num_m_blocks row blocks per sequence and head).
+  // Unit u < num_units of the list (num_m_blocks row blocks per sequence and head where the
+  // list has slots of equal size).
   static __device__ __forceinline__ Unit decode_unit(const AttentionParams& p, int num_m_blocks,
                                                      const SharedStorage& ss, int u) {
-    const int per_seq = int(p.num_heads) * num_m_blocks;
-    const int rank = u / per_seq, rem = u % per_seq;
     const bool sorted = p.batch <= kMaxSortedBatch;
+    int rank, rem;
+    if (sorted && p.cu_seqlens_q != nullptr) {
+      // The last rank whose first unit is <= u: the one that owns u (a rank without units
+      // shares its first unit with the next, and the last rank at or below u has units).
+      int lo = 0, hi = int(p.batch) - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (ss.first_unit[mid] <= u) lo = mid; else hi = mid - 1;
+      }
+      rank = lo;
+      rem = u - ss.first_unit[rank];
+    } else {
+      const int per_seq = int(p.num_heads) * num_m_blocks;
+      rank = u / per_seq;
+      rem = u % per_seq;
+    }
     Unit w;
     w.b = sorted ? ss.order[rank] : rank;
     if (sorted && p.cu_seqlens_q == nullptr) {  // padded: its length is in shared memory
@@ -109,7 +163,8 @@ struct HeaviestFirstScheduler {
       w.k_start = int(seq.k_start);
       w.len_q = int(seq.seqlen_q);
     }
-    // Row blocks from the sequence's last; slots past its first block are empty.
+    // Row blocks from the sequence's last; slots past its first block (an unsorted packed
+    // batch) are empty.
     const int blocks = (w.len_q + kBlockM - 1) / kBlockM;
     w.m_block = blocks - 1 - rem / int(p.num_heads);
     w.h = rem % int(p.num_heads);
