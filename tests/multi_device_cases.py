@@ -105,6 +105,19 @@ def test_sharded_jit_no_collectives(explicit, layout, dtype, heads, kw):
     assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
 
 
+def _sharded_like_one_device(f, args, specs, b, h):
+    """f(*args) -> (out [B, S, H, Dv], lse [B, H, S]) under jit with args placed by specs on
+    the (2, 4) mesh: no collective in the compiled program, out and lse sharded over batch b
+    and heads h, and the bits of the one-device call."""
+    ref_out, ref_lse = jax.jit(f)(*args)  # one device
+    sharded = _put(_mesh(), args, specs)
+    g = jax.jit(f)
+    assert _collectives(g.lower(*sharded).compile().as_text()) == []
+    out, lse = g(*sharded)
+    assert _spec(out) == (b, None, h, None) and _spec(lse) == (b, h, None)
+    assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
+
+
 @pytest.mark.parametrize("layout", ["batch", "heads", "both"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed-q-counts"])
 def test_sinks_sharded_no_collectives(layout, packed):
@@ -119,16 +132,9 @@ def test_sinks_sharded_no_collectives(layout, packed):
         return jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=n_q if packed else None,
                                     sinks=s, is_causal=True, return_lse=True)
 
-    ref_out, ref_lse = jax.jit(f)(q, k, v, n, n_q, sinks)
-    mesh = _mesh()
     b, h = LAYOUTS[layout]
     qkv = P(b, None, h, None)
-    sharded = _put(mesh, (q, k, v, n, n_q, sinks), (qkv, qkv, qkv, P(b), P(b), P(h)))
-    g = jax.jit(f)
-    assert _collectives(g.lower(*sharded).compile().as_text()) == []
-    out, lse = g(*sharded)
-    assert _spec(out) == (b, None, h, None) and _spec(lse) == (b, h, None)
-    assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
+    _sharded_like_one_device(f, (q, k, v, n, n_q, sinks), (qkv, qkv, qkv, P(b), P(b), P(h)), b, h)
 
 
 @pytest.mark.parametrize("layout", ["batch", "heads", "both"])
@@ -149,16 +155,10 @@ def test_paged_sharded_no_collectives(layout):
         return jax_varlen.paged_attention(q, kc, vc, table, n, is_causal=True, return_lse=True)
 
     assert "jax_varlen_paged_attention_fwd" in str(jax.make_jaxpr(f)(q, kc, vc, table, n))
-    ref_out, ref_lse = jax.jit(f)(q, kc, vc, table, n)  # one device
-    mesh = _mesh()
     b, h = LAYOUTS[layout]
     cache = P(None, None, h, None)
-    sharded = _put(mesh, (q, kc, vc, table, n), (P(b, None, h, None), cache, cache, P(b), P(b)))
-    g = jax.jit(f)
-    assert _collectives(g.lower(*sharded).compile().as_text()) == []
-    out, lse = g(*sharded)
-    assert _spec(out) == (b, None, h, None) and _spec(lse) == (b, h, None)
-    assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
+    _sharded_like_one_device(f, (q, kc, vc, table, n),
+                             (P(b, None, h, None), cache, cache, P(b), P(b)), b, h)
 
 
 @pytest.mark.parametrize("layout", ["batch", "heads", "both"])
