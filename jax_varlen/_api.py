@@ -305,8 +305,9 @@ def with_sinks(out, lse, sinks, real_rows=None):
     out: ``[N, Sq, H, Dv]``; lse: float32 ``[N, H, Sq]``; sinks: float32 ``[H]``; real_rows:
     ``None`` (every row) or bool broadcastable to lse's shape.
 
-    Used where a kernel has no sinks of its own: ``paged_attention``'s in-place decode path
-    (``attention`` and ``packed_attention`` add the sinks inside the kernels, ffi/core/sinks.h).
+    Used where a kernel has no sinks of its own: ``paged_attention``'s in-place decode path and
+    ``sequence_parallel_attention``'s merged result (``attention`` and ``packed_attention`` add
+    the sinks inside the kernels, ffi/core/sinks.h).
     """
     sink = sinks[:, None]  # [H, 1]: broadcasts over lse's [N, H, Sq]
     empty = lse == -jnp.inf

@@ -27,8 +27,10 @@ from jax_varlen._api import (
     check_flag,
     check_lengths,
     check_shapes,
+    check_sinks,
     make_config,
     normalize_heads,
+    with_sinks,
 )
 from jax_varlen._merge import merge_attention
 from jax_varlen._primitive import attention_fwd
@@ -73,6 +75,7 @@ def sequence_parallel_attention(
     scale=None,
     is_causal=False,
     softcap=0.0,
+    sinks=None,
     return_lse=False,
 ):
     """:func:`jax_varlen.attention` with the keys and values split along their sequence axis.
@@ -93,6 +96,9 @@ def sequence_parallel_attention(
       head_axis: optional mesh axis (or axes) that also splits the heads, in whole kv-head
         groups (must divide ``Hkv``).
       num_heads, kv_num_heads, scale, softcap, return_lse: as in :func:`jax_varlen.attention`.
+      sinks: optional float ``[H]`` (as in :func:`jax_varlen.attention`): joins the softmax
+        once, after the slices' partial results are merged (``lse = logaddexp(lse, sinks[h])``,
+        ``out`` rescaled to match); differentiable.
       is_causal: supported for decode (``Sq == 1``, where it equals non-causal). With
         ``Sq > 1`` a causal mask needs each query's global position relative to each slice,
         which the op does not take, so it raises ``ValueError``.
@@ -109,6 +115,7 @@ def sequence_parallel_attention(
     lengths = check_lengths("nonpad_kv_seqlen", nonpad_kv_seqlen, B, Skv, "Skv")
     config = make_config(D, scale, is_causal, softcap)
     return_lse = check_flag("return_lse", return_lse)
+    sinks = check_sinks(sinks, H)
 
     if not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be one mesh axis name (a str), got {axis_name!r}")
@@ -157,6 +164,8 @@ def sequence_parallel_attention(
     out, lse = jax.shard_map(
         local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )(*args)
+    if sinks is not None:  # once, on the merged row (every query row is real here)
+        out, lse = with_sinks(out, lse, sinks)
     if rank == 3:
         out = out.reshape(out.shape[:2] + (-1,))
     return (out, lse) if return_lse else out

@@ -393,6 +393,33 @@ def test_sequence_parallel_matches_single_device(dtype, sq, heads, causal, batch
         np.testing.assert_allclose(lse, ref_lse, rtol=2e-6)
 
 
+@pytest.mark.parametrize("sq", [1, 4])
+def test_sequence_parallel_with_sinks(sq):
+    """Sinks join the merged row once: the one-device attention(..., sinks=...) result (to
+    fp32 rounding), and d_sinks and d_query through the shards, the gather and the merge."""
+    q, k, v, n = make_inputs(B, sq, SP_SKV, 8, 4, D, DV, jnp.float32, SP_LENGTHS, seed=23)
+    sinks = jnp.asarray(np.linspace(-1.0, 1.5, 8), jnp.float32)
+    mesh = _sp_mesh(False)
+    sp = functools.partial(jax_varlen.sequence_parallel_attention, mesh=mesh, axis_name="s",
+                           batch_axis="b", return_lse=True)
+    out, lse = jax.jit(lambda q, s: sp(q, k, v, n, sinks=s))(q, sinks)
+    ref_out, ref_lse = jax.jit(lambda q, s: jax_varlen.attention(
+        q, k, v, n, sinks=s, return_lse=True))(q, sinks)
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-6)
+    assert (np.asarray(lse)[np.asarray(n) == 0] == np.asarray(sinks)[:, None]).all()
+
+    def loss(fn, q, s):
+        return jnp.sum(fn(q, s)[0] ** 2)
+
+    got = jax.jit(jax.grad(functools.partial(loss, lambda q, s: sp(q, k, v, n, sinks=s)),
+                           argnums=(0, 1)))(q, sinks)
+    want = jax.jit(jax.grad(functools.partial(loss, lambda q, s: jax_varlen.attention(
+        q, k, v, n, sinks=s, return_lse=True)), argnums=(0, 1)))(q, sinks)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
+
+
 def test_sequence_parallel_with_head_axis_rank3_under_jit():
     mesh = jax.make_mesh((2, 2, 2), ("b", "s", "h"), axis_types=(AxisType.Auto,) * 3)
     q, k, v, n = make_inputs(B, 1, SP_SKV, 8, 4, D, DV, jnp.float32, SP_LENGTHS, seed=19, rank=3)
