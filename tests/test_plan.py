@@ -273,3 +273,59 @@ def test_lowering_refuses_what_the_plan_refuses(cuda_lowering):
     n = jax.ShapeDtypeStruct((2,), jnp.int32)
     with pytest.raises(ValueError, match=r"head sizes up to 256; got query/key head size 300"):
         _export_for_cuda(jax_varlen.attention, q, q, q, n)
+
+
+# --------------------------------------------------------------------------------------------
+# Paged caches (page_size > 0): the split-KV kernel reads pages in place, nothing else does.
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 256])
+def test_paged_plan_is_the_split_plan(page_size):
+    """A paged call in place is the padded call over max_pages * page_size keys on the split-KV
+    path (the same workspace), with no backward (forward only)."""
+    extent = 40 * page_size
+    paged = plan(Sq=1, Skv=extent, page_size=page_size)
+    dense = plan(Sq=1, Skv=extent)
+    assert paged["fwd_path"] == "sm80_split" and paged["split_keys"] == dense["split_keys"] > 0
+    assert paged["split_workspace_per_pack"] == dense["split_workspace_per_pack"]
+    assert paged["dq_workspace_per_pack"] == 0 and paged["bwd_block_m"] == 0
+
+
+@pytest.mark.parametrize(
+    "kw, got",
+    [(dict(page_size=8), "got 1 queries per sequence, head sizes 128 and 128, page_size 8"),
+     (dict(page_size=24), "page_size 24"),
+     (dict(page_size=16, seqlen_q=17, pack_rows_q=17), "got 17 queries per sequence"),
+     (dict(page_size=16, dtype="float32"), "page_size 16"),
+     (dict(page_size=16, head_dim=36, head_dim_v=36), "head sizes 36 and 36")])
+def test_paged_plan_refuses_what_the_kernel_cannot_read(kw, got):
+    """Pages of a size not a multiple of 16, longer query runs, float32 or odd head sizes: the
+    plan says why (paged_attention then gathers the pages instead)."""
+    inputs = dict(dtype="bfloat16", pack_seqs=1, pack_rows_q=1, pack_rows_k=1600, seqlen_q=1,
+                  seqlen_k=1600, num_heads=8, kv_num_heads=2, head_dim=128, head_dim_v=128)
+    p = _ffi.extension().plan(**{**inputs, **kw})
+    assert "the paged kernel (split-KV) takes" in p["unsupported"], p
+    assert got in p["unsupported"]
+
+
+def test_paged_and_sinks_lowerings_carry_the_plans_workspace(cuda_lowering):
+    """paged_attention in place lowers to the paged target with the split plan's workspace;
+    attention with sinks to the sinks target, with the workspace of the same call without."""
+    B, H, Hkv, D, P, ps, max_pages = 3, 8, 2, 128, 50, 32, 12
+    q = jax.ShapeDtypeStruct((B, 1, H, D), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((P, ps, Hkv, D), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((B, max_pages), jnp.int32)
+    n = jax.ShapeDtypeStruct((B,), jnp.int32)
+    text = _export_for_cuda(jax_varlen.paged_attention, q, cache, cache, table, n)
+    p = plan(Sq=1, Skv=max_pages * ps, H=H, Hkv=Hkv, D=D, page_size=ps)
+    assert _custom_call_results(text, _ffi.PAGED_CUDA_TARGET)[-1] == \
+        f"tensor<{B}x{p['split_workspace_per_pack']}xf32>"
+
+    kv = jax.ShapeDtypeStruct((B, 300, Hkv, D), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((H,), jnp.float32)
+    text = _export_for_cuda(lambda q, k, v, n, s: jax_varlen.attention(q, k, v, n, sinks=s),
+                            q, kv, kv, n, sinks)
+    p = plan(Sq=1, Skv=300, H=H, Hkv=Hkv, D=D)
+    assert _custom_call_results(text, _ffi.SINKS_CUDA_TARGET)[-1] == \
+        f"tensor<{B}x{p['split_workspace_per_pack']}xf32>"
+    assert f"custom_call @{_ffi.CUDA_TARGET}(" not in text
