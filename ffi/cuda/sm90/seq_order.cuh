@@ -28,6 +28,11 @@ __device__ __forceinline__ int64_t bwd_seq_weight(const AttentionParams& p, int6
 
 constexpr int kSeqOrderThreads = 256;
 
+// A template (never instantiated but with its default) so that the translation units of every
+// (dtype, bucket) that include this header share one definition (inline linkage): a plain
+// __global__ here is defined once per unit, which the link rejects when the build compiles one
+// unit per instantiation (cmake/cuda.cmake, 8 or more cores).
+template <int kUnused = 0>
 __global__ void __launch_bounds__(kSeqOrderThreads) bwd_seq_order_kernel(const __grid_constant__ AttentionParams p,
                                                                          int32_t* seq_order) {
   __shared__ int64_t tile[kSeqOrderThreads];
@@ -51,7 +56,7 @@ __global__ void __launch_bounds__(kSeqOrderThreads) bwd_seq_order_kernel(const _
 
 inline cudaError_t run_bwd_seq_order(const AttentionParams& p, int32_t* seq_order, cudaStream_t stream) {
   const unsigned blocks = unsigned((p.batch + kSeqOrderThreads - 1) / kSeqOrderThreads);
-  bwd_seq_order_kernel<<<blocks, kSeqOrderThreads, 0, stream>>>(p, seq_order);
+  bwd_seq_order_kernel<><<<blocks, kSeqOrderThreads, 0, stream>>>(p, seq_order);
   return cudaGetLastError();
 }
 
