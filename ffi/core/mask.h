@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <climits>
 
 #if defined(__CUDACC__)
 #define JV_HOST_DEVICE __host__ __device__ __forceinline__
@@ -74,10 +73,15 @@ JV_HOST_DEVICE Range row_range(const MaskSpec& m, int64_t j0, int64_t j1, int64_
   if (j1 <= j0 || seqlen_q <= 0) return {0, 0};
   const int64_t shift = n - seqlen_q;  // p = i + shift
   int64_t begin = 0, end = seqlen_q;
-  int64_t p_lo = INT64_MIN;
-  if (m.right >= 0) p_lo = j0 - m.right;
-  if (m.causal && j0 > p_lo) p_lo = j0;
-  if (p_lo != INT64_MIN && p_lo - shift > begin) begin = p_lo - shift;
+  // The lowest position that sees a key of the block, when causal or a right bound sets one.
+  // (No INT64_MIN sentinel here: `INT64_MIN - shift` overflows, which is undefined; with one,
+  // the GPU backward got an empty range for every non-causal key block, dK = dV = 0, on an
+  // H100 on 2026-12-06, while the host build was right.)
+  if (m.causal || m.right >= 0) {
+    int64_t p_lo = m.right >= 0 ? j0 - m.right : j0;
+    if (m.causal && j0 > p_lo) p_lo = j0;
+    if (p_lo - shift > begin) begin = p_lo - shift;
+  }
   if (m.left >= 0 && j1 - 1 + m.left - shift + 1 < end) end = j1 - 1 + m.left - shift + 1;
   if (end < begin) end = begin;
   return {begin, end};
