@@ -18,7 +18,7 @@
 # shape, so a stage cut short keeps what finished).
 # Env: TOTAL_S; stage limits TESTS_S (300) BENCH_S (270) TRAIN_S (400) DECODE_S (120)
 #   SWEEP_S (240) NCU_S (200); DECODE_SHAPES (decode; default decode-full,decode-skewed,
-#   decode-paged); TEST_FILES (default tests; files or folders, from the repo
+#   decode-paged), DECODE_IMPLS (default: the padded impls and the paged pair); TEST_FILES (default tests; files or folders, from the repo
 #   root), PYTEST_M (-m, default gpu; empty for every test), PYTEST_K (-k), PYTEST_ARGS (more
 #   pytest flags, e.g. "-n 6" with pytest-xdist's wheel in .whl/: processes share the GPU, so
 #   XLA_PYTHON_CLIENT_PREALLOCATE=false is set for them); SHAPES (bench),
@@ -92,6 +92,7 @@ for stage in $STAGES; do
     decode) L=$(limit "${DECODE_S:-120}") || { echo "decode: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/bench.py" --out "$OUT" --tag decode --decode \
         --budget-s $((L - 20)) ${BENCH_ARGS:-} --shapes "${DECODE_SHAPES:-decode-full,decode-skewed,decode-paged}" \
+        --impls "${DECODE_IMPLS:-jax_varlen,cudnn,fa3,xla,jax_varlen_paged,fa3_paged}" \
         >"$OUT/decode.log" 2>&1
       grep -E "^\| decode" "$OUT/decode.log" || tail -8 "$OUT/decode.log" ;;
     sinks) L=$(limit "${SINKS_S:-120}") || { echo "sinks: skipped (time)"; continue; }
