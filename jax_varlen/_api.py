@@ -388,8 +388,7 @@ def attention(
         pair ``(left, right)`` of ints >= 0 (``jax.nn``'s convention), around each query's
         tail-aligned position ``p = i + n_b - n_q[b]``: key ``j`` is allowed iff
         ``p - left <= j <= p + right`` (and ``j <= p`` when causal, ``j < n_b`` always). Key
-        blocks outside the window cost no compute. CPU only for now: the CUDA kernels raise
-        (issue 34).
+        blocks outside the window cost no compute, on every backend.
       sinks: optional float ``[H]``, one logit per query head (gpt-oss attention sinks): every
         real row's softmax denominator gains ``exp(sinks[h])``, so ``lse = log(exp(sinks[h]) +
         sum_j exp(s_j))`` over the allowed keys and ``out = sum_j exp(s_j - lse) v_j``; a real

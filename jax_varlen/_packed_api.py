@@ -158,7 +158,6 @@ def packed_attention(
       local_window_size: as for :func:`attention`, per sequence: ``None``, an int ``w``
         (``(w, w)``) or a pair ``(left, right)`` of ints >= 0 around query ``i``'s position
         ``p = i + len_k - len_q``: key ``j`` is allowed iff ``p - left <= j <= p + right``.
-        CPU only for now (the CUDA kernels raise, issue 34).
       sinks: as for :func:`attention`: optional float ``[H]``, one logit per query head in
         the softmax denominator of every row a sequence owns (a row with no allowed key: zeros,
         ``lse = sinks[h]``; rows past ``cu_seqlens_q[-1]`` keep ``lse = -inf``).

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -23,23 +22,14 @@ import pytest
 import jax_varlen
 from conftest import DTYPES, EXPORT_PLATFORM, assert_lse_close, assert_out_close, bits
 
-# The CUDA kernels take a window, unverified on a GPU so far: the handler raises unless
-# JAX_VARLEN_CUDA_WINDOW=1 (issue 34). Without the switch the window's GPU cases are strict
-# xfails (the error is the expected result); with it they run and must pass.
-_CUDA_WINDOW = os.environ.get("JAX_VARLEN_CUDA_WINDOW") == "1"
-_NO_WINDOW_ON_GPU = pytest.mark.xfail(
-    strict=True, raises=jax.errors.JaxRuntimeError,
-    reason="local_window_size on CUDA needs JAX_VARLEN_CUDA_WINDOW=1 until verified (issue 34)")
 _UNBOUNDED = 10**9  # a window side past every key: that side unbounded
 
 
-def _cases(cpu: dict, gpu: dict, window_on_gpu=lambda value: True):
-    """Parametrizes ``(backend, case)`` like conftest's ``backend_cases``; GPU cases whose value
-    sets a window (``window_on_gpu``) are strict xfails."""
+def _cases(cpu: dict, gpu: dict):
+    """Parametrizes ``(backend, case)`` like conftest's ``backend_cases``, with each backend's
+    own cases (GPU ones marked gpu)."""
     params = [pytest.param("cpu", v, id=f"cpu-{k}") for k, v in cpu.items()]
-    for k, v in gpu.items():
-        marks = [pytest.mark.gpu] + ([_NO_WINDOW_ON_GPU] if window_on_gpu(v) and not _CUDA_WINDOW else [])
-        params.append(pytest.param("gpu", v, id=f"gpu-{k}", marks=marks))
+    params += [pytest.param("gpu", v, id=f"gpu-{k}", marks=[pytest.mark.gpu]) for k, v in gpu.items()]
     return pytest.mark.parametrize(("backend", "case"), params, indirect=["backend"])
 
 
@@ -378,7 +368,7 @@ _PACKED = {
 }
 
 
-@_cases(_PACKED, _PACKED, window_on_gpu=lambda case: "local_window_size" in case[0])
+@_cases(_PACKED, _PACKED)
 def test_packed_matches_oracle_and_padded_bits(backend, case):
     """packed_attention against packed_reference (float64), and bitwise equal to attention
     on the same sequences padded, forward and gradients; rows past the last offset are zero
@@ -440,8 +430,7 @@ _SINKS_WINDOW = {"window": ("f32", 2, 130, 150, 4, 2, 16, 16, [150, 61], None,
                             dict(local_window_size=(33, 0), is_causal=True))}
 
 
-@_cases(_SINKS | _SINKS_WINDOW, _SINKS | _SINKS_WINDOW,
-        window_on_gpu=lambda case: "local_window_size" in case[-1])
+@_cases(_SINKS | _SINKS_WINDOW, _SINKS | _SINKS_WINDOW)
 def test_sinks_forward_matches_oracle(backend, case):
     """Against the oracle, which takes the sink as one more score: real rows with no allowed
     key get lse = sinks[h] and zero output; padded query rows keep lse = -inf."""
@@ -466,8 +455,7 @@ def test_sinks_forward_matches_oracle(backend, case):
 
 @_cases({name: _SINKS[name] for name in ("noncausal", "causal-empty-rows", "q-counts")}
         | _SINKS_WINDOW,
-        {name: _SINKS[name] for name in ("q-counts", "bf16")} | _SINKS_WINDOW,
-        window_on_gpu=lambda case: "local_window_size" in case[-1])
+        {name: _SINKS[name] for name in ("q-counts", "bf16")} | _SINKS_WINDOW)
 def test_sinks_gradients_match_oracle(backend, case):
     """d_query, d_key, d_value and d_sinks (through out and lse) against the oracle's, with NaN
     in padded keys, padded query rows and their d_out; all finite."""
@@ -532,8 +520,7 @@ def _t_inputs(seed, m=2, pad=np.nan):
 
 @_cases({"window": dict(local_window_size=(3, 1), is_causal=True), "sinks": dict(sinks=True),
          "both": dict(local_window_size=4, sinks=True)},
-        {"window": dict(local_window_size=(3, 1), is_causal=True), "sinks": dict(sinks=True)},
-        window_on_gpu=lambda kw: "local_window_size" in kw)
+        {"window": dict(local_window_size=(3, 1), is_causal=True), "sinks": dict(sinks=True)})
 def test_jit_vmap_grad(backend, case):
     """vmap (sinks batched too) equals the per-element calls; jit with the window static and
     sinks traced; vmap of grad (d_sinks included) equals the oracle's."""
@@ -608,8 +595,7 @@ def test_sinks_under_remat_scan_and_forward_mode(backend):
          "sinks": dict(sinks=True, is_causal=True),
          "packed-window-sinks": dict(local_window_size=2, sinks=True, packed=True)},
         {"window": dict(local_window_size=(3, 1), is_causal=True),
-         "sinks": dict(sinks=True, is_causal=True)},
-        window_on_gpu=lambda kw: "local_window_size" in kw)
+         "sinks": dict(sinks=True, is_causal=True)})
 def test_export_round_trip(backend, case):
     """jax.export of forward and gradients (d_sinks included): the deserialized call gives
     the same bits."""

@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
 #include <string>
 
@@ -35,27 +34,12 @@ ffi::Error check_workspace(const char* name, size_t given, int64_t num_packs, in
                                      " x " + std::to_string(per_pack) + " (packs x per pack)");
 }
 
-// Every CUDA kernel takes a local window (mask.h's bounds), but those paths have not yet run on
-// a GPU (issue 34): until they have, a call with a window is an error unless the environment
-// sets JAX_VARLEN_CUDA_WINDOW=1 (the GPU tests' switch), never a result without the window.
-ffi::Error check_window(const AttentionParams& p) {
-  if (p.window_left < 0 && p.window_right < 0) return ffi::Error::Success();
-  const char* opt_in = std::getenv("JAX_VARLEN_CUDA_WINDOW");
-  if (opt_in != nullptr && std::string(opt_in) == "1") return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(
-      "jax_varlen: local_window_size is not yet verified on the CUDA kernels (issue 34); got "
-      "window_left = " + std::to_string(p.window_left) + ", window_right = " +
-      std::to_string(p.window_right) + ". Run the call on the CPU, or set JAX_VARLEN_CUDA_WINDOW=1 to try the "
-      "unverified kernels");
-}
-
 // The forward of either layout, once its params are made: the plan, its split-KV workspace, the
 // launch.
 ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
                    ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
   if (!params) return params.error();
   AttentionParams& p = *params;
-  if (auto err = check_window(p); err.failure()) return err;
   const auto plan = plan_call(p);
   if (!plan) return plan.error();
   if (auto err = check_workspace("the split-KV workspace", workspace->element_count(), p.num_packs,
@@ -144,7 +128,6 @@ ffi::Error run_bwd(ffi::ErrorOr<BackwardParams> params, cudaStream_t stream,
                    ffi::Result<ffi::Buffer<ffi::F32>> dq_workspace) {
   if (!params) return params.error();
   BackwardParams bp = *params;
-  if (auto err = check_window(bp.fwd); err.failure()) return err;
   const auto plan = plan_call(bp.fwd);
   if (!plan) return plan.error();
   if (auto err = check_workspace("the dQ workspace", dq_workspace->element_count(), bp.fwd.num_packs,
