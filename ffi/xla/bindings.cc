@@ -15,21 +15,32 @@
 
 namespace nb = nanobind;
 
-extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cpu(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cpu(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_cpu(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_packed_attention_bwd_cpu(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_sinks_cpu(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_sinks_cpu(XLA_FFI_CallFrame*);
+// The FFI targets, each name once: X(name) for every handler symbol (XLA_FFI_DEFINE_HANDLER_SYMBOL
+// in cpu_forward.cc, cpu_backward.cc and cuda.cu). Per platform: the padded and the packed
+// forward (with and without sinks) and backward; CUDA also the paged forward (the CPU gathers
+// the pages and runs the padded forward: jax_varlen/_paged_primitive.py).
+#define JV_CPU_TARGETS(X)                    \
+  X(jax_varlen_attention_fwd_cpu)            \
+  X(jax_varlen_attention_bwd_cpu)            \
+  X(jax_varlen_packed_attention_fwd_cpu)     \
+  X(jax_varlen_packed_attention_bwd_cpu)     \
+  X(jax_varlen_attention_fwd_sinks_cpu)      \
+  X(jax_varlen_packed_attention_fwd_sinks_cpu)
+#define JV_CUDA_TARGETS(X)                   \
+  X(jax_varlen_attention_fwd_cuda)           \
+  X(jax_varlen_attention_bwd_cuda)           \
+  X(jax_varlen_packed_attention_fwd_cuda)    \
+  X(jax_varlen_packed_attention_bwd_cuda)    \
+  X(jax_varlen_paged_attention_fwd_cuda)     \
+  X(jax_varlen_attention_fwd_sinks_cuda)     \
+  X(jax_varlen_packed_attention_fwd_sinks_cuda)
+
+#define JV_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
+JV_CPU_TARGETS(JV_DECLARE)
 #ifdef JAX_VARLEN_WITH_CUDA
-extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_cuda(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_attention_bwd_cuda(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_cuda(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_packed_attention_bwd_cuda(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_paged_attention_fwd_cuda(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_attention_fwd_sinks_cuda(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* jax_varlen_packed_attention_fwd_sinks_cuda(XLA_FFI_CallFrame*);
+JV_CUDA_TARGETS(JV_DECLARE)
 #endif
+#undef JV_DECLARE
 
 namespace {
 
@@ -57,28 +68,19 @@ const char* path_name(jax_varlen::BwdPath path) {
 }  // namespace
 
 NB_MODULE(_jax_varlen, m) {
-  // {"cpu": {target: capsule}, "cuda": {target: capsule}}; "cuda" only in a CUDA build. Per
-  // platform: the padded and the packed forward (with and without sinks) and backward; CUDA also
-  // the paged forward (the
-  // CPU gathers pages and runs the padded forward: jax_varlen/_paged_api.py).
+  // {"cpu": {target: capsule}, "cuda": {target: capsule}}; "cuda" only in a CUDA build (the
+  // targets: JV_CPU_TARGETS, JV_CUDA_TARGETS above).
   m.def("registrations", []() {
     nb::dict platforms, cpu;
-    cpu["jax_varlen_attention_fwd_cpu"] = capsule(jax_varlen_attention_fwd_cpu);
-    cpu["jax_varlen_attention_bwd_cpu"] = capsule(jax_varlen_attention_bwd_cpu);
-    cpu["jax_varlen_packed_attention_fwd_cpu"] = capsule(jax_varlen_packed_attention_fwd_cpu);
-    cpu["jax_varlen_packed_attention_bwd_cpu"] = capsule(jax_varlen_packed_attention_bwd_cpu);
-    cpu["jax_varlen_attention_fwd_sinks_cpu"] = capsule(jax_varlen_attention_fwd_sinks_cpu);
-    cpu["jax_varlen_packed_attention_fwd_sinks_cpu"] = capsule(jax_varlen_packed_attention_fwd_sinks_cpu);
+#define JV_REGISTER_CPU(name) cpu[#name] = capsule(name);
+    JV_CPU_TARGETS(JV_REGISTER_CPU)
+#undef JV_REGISTER_CPU
     platforms["cpu"] = cpu;
 #ifdef JAX_VARLEN_WITH_CUDA
     nb::dict cuda;
-    cuda["jax_varlen_attention_fwd_cuda"] = capsule(jax_varlen_attention_fwd_cuda);
-    cuda["jax_varlen_attention_bwd_cuda"] = capsule(jax_varlen_attention_bwd_cuda);
-    cuda["jax_varlen_packed_attention_fwd_cuda"] = capsule(jax_varlen_packed_attention_fwd_cuda);
-    cuda["jax_varlen_packed_attention_bwd_cuda"] = capsule(jax_varlen_packed_attention_bwd_cuda);
-    cuda["jax_varlen_paged_attention_fwd_cuda"] = capsule(jax_varlen_paged_attention_fwd_cuda);
-    cuda["jax_varlen_attention_fwd_sinks_cuda"] = capsule(jax_varlen_attention_fwd_sinks_cuda);
-    cuda["jax_varlen_packed_attention_fwd_sinks_cuda"] = capsule(jax_varlen_packed_attention_fwd_sinks_cuda);
+#define JV_REGISTER_CUDA(name) cuda[#name] = capsule(name);
+    JV_CUDA_TARGETS(JV_REGISTER_CUDA)
+#undef JV_REGISTER_CUDA
     platforms["cuda"] = cuda;
 #endif
     return platforms;
