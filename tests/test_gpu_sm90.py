@@ -188,3 +188,71 @@ def test_serving_step_walks_only_real_units():
         p_out, p_lse, *_ = padded_alone(q, k, v, cu_q, cu_k, ct_out, ct_lse, b, max(lens_q),
                                         is_causal=True)
         assert bits(out[rq]) == bits(p_out) and bits(lse[:, rq]) == bits(p_lse), f"sequence {b}"
+
+
+PACK_GQA_CASES = {
+    # H, Hkv, D, keywords: a group of 4, a group of 3 (a tile's 128 rows split a query row's
+    # heads between two units), a group of 8, MQA; causal or not, sinks, softcap, a window.
+    "g4-d128-causal": (8, 2, 128, dict(is_causal=True)),
+    "g3-d64-causal-sinks": (6, 2, 64, dict(is_causal=True, sinks=True)),
+    "g8-d128-softcap": (16, 2, 128, dict(softcap=20.0)),
+    "g4-d64-window": (4, 1, 64, dict(is_causal=True, local_window_size=(40, 0))),
+}
+
+
+@pytest.mark.parametrize("case", PACK_GQA_CASES)
+def test_pack_gqa_serving_step(monkeypatch, case):
+    """Pack-GQA (JAX_VARLEN_PACK_GQA=1: plan.h; tile_scheduler.h, heads_of): in a serving step
+    the sequences shorter than a tile whose group's rows fill fewer tiles packed (decode rows,
+    short chunks) take units of a kv head's whole group; the rest keep a unit per query head.
+    The launch says it could pack; out and lse of every real row against the float64 oracle,
+    within twice the unpacked kernel's error (plus a floor); deterministic; each sequence's bits
+    the same alone in a packed call (its packing depends on its own query rows only)."""
+    _hopper()
+    from conftest import assert_lse_close, assert_out_close
+
+    H, Hkv, D, kw = PACK_GQA_CASES[case]
+    kw = dict(kw)
+    rng = np.random.default_rng(17)
+    lens_q = [700, 1, 0, 3, 31, 1, 96, 97, 1, 17, 1, 128] * 3
+    lens_k = [n + int(rng.integers(0, 900)) for n in lens_q]
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, H=H, Hkv=Hkv, D=D, Dv=D, dtype=jnp.bfloat16, seed=5)
+    if kw.pop("sinks", False):
+        kw["sinks"] = jnp.asarray(rng.uniform(-1.0, 3.0, H), jnp.float32)
+    hints = dict(max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+
+    def run(q, k, v, cu_q, cu_k):
+        return jax.jit(lambda *a: jax_varlen.packed_attention(*a, return_lse=True, **hints, **kw))(
+            q, k, v, cu_q, cu_k)
+
+    monkeypatch.delenv("JAX_VARLEN_PACK_GQA", raising=False)
+    base_out, _ = run(q, k, v, cu_q, cu_k)
+    assert not jax_varlen._ffi.extension().last_launch()["pack_gqa"]
+    monkeypatch.setenv("JAX_VARLEN_PACK_GQA", "1")
+    out, lse = run(q, k, v, cu_q, cu_k)
+    ran = jax_varlen._ffi.extension().last_launch()
+    assert ran["fwd_path"] == "sm90_one_pass" and ran["pack_gqa"], ran
+    assert bits(out) == bits(run(q, k, v, cu_q, cu_k)[0])  # deterministic
+
+    cpu = jax.devices("cpu")[0]
+    with jax.enable_x64(True):
+        args = [jax.device_put(np.asarray(x, np.float64), cpu) for x in (q, k, v)]
+        cus = [jax.device_put(np.asarray(c), cpu) for c in (cu_q, cu_k)]
+        ref_kw = {**kw, "sinks": jax.device_put(np.asarray(kw["sinks"]), cpu)} if "sinks" in kw else kw
+        hi_out, hi_lse = jax_varlen.packed_reference(*args, *cus, return_lse=True, **ref_kw)
+    end = int(np.asarray(cu_q)[-1])
+    assert_out_close(out[:end], np.asarray(hi_out)[:end], base_out[:end], jnp.bfloat16)
+    assert_lse_close(lse[:, :end], np.asarray(hi_lse)[:, :end])
+    assert not np.asarray(out[end:], np.float32).any()
+
+    # Alone: a pack of one sequence, NaN rows after it up to the hints (the same plan).
+    cq, ck = np.asarray(cu_q), np.asarray(cu_k)
+    nan_rows = lambda x, rows: jnp.concatenate(  # noqa: E731
+        [x, jnp.full((rows - x.shape[0],) + x.shape[1:], jnp.nan, x.dtype)])
+    for b in (1, 4, 6, 7, 11):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        sub = [jnp.asarray([0, lens_q[b]], jnp.int32), jnp.asarray([0, lens_k[b]], jnp.int32)]
+        a_out, a_lse = run(nan_rows(q[rq], max(lens_q)), nan_rows(k[rk], max(lens_k)),
+                           nan_rows(v[rk], max(lens_k)), *sub)
+        n = lens_q[b]
+        assert bits(a_out[:n]) == bits(out[rq]) and bits(a_lse[:, :n]) == bits(lse[:, rq]), f"sequence {b}"

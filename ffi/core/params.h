@@ -95,6 +95,11 @@ struct AttentionParams {
   // (indices: cuda/sm80/split_layout.h).
   float* workspace;
   int64_t split_keys;
+  // Pack-GQA (the Hopper forward; the plan sets it, plan/plan.h): a sequence of the packed list
+  // whose query rows are short (sm90/tile_scheduler.h, pack_of) takes units of one kv head and
+  // kBlockM rows of (query row, query head of the group) pairs, so a decode row costs one tile
+  // per kv head instead of one per query head and its keys are read once per group.
+  bool pack_gqa = false;
 
   float scale;    // multiplies <q, k>
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)

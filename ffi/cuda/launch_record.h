@@ -1,7 +1,8 @@
 // What the last CUDA forward and backward of this process launched (dispatch.cu records it
 // when XLA runs a handler; a captured CUDA graph replays kernels without it): the path's row
 // after the alignment check (FwdPath / BwdPath, plan/plan.h), the keys per split-KV chunk (0:
-// one pass) and whether the forward read a paged cache in place; -1 before any call. Tests read it through the extension's last_launch() to prove
+// one pass), whether the forward read a paged cache in place and whether it
+// could pack query heads (pack-GQA); -1 before any call. Tests read it through the extension's last_launch() to prove
 // which kernel served a call. Plain C++ (no CUDA headers): bindings.cc includes it.
 #pragma once
 
@@ -13,6 +14,7 @@ struct LaunchRecord {
   int fwd_path = -1, bwd_path = -1;
   int64_t split_keys = 0;
   bool paged = false;
+  bool pack_gqa = false;  // the Hopper forward could pack query heads (Plan::pack_gqa)
 };
 LaunchRecord last_launch();
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "plan/limits.h"
@@ -58,6 +59,10 @@ struct Plan {
   // pack (layout: params.h; 0 without split-KV).
   int64_t split_keys = 0;
   int64_t split_workspace_per_pack = 0;
+  // Pack-GQA on the Hopper forward (params.h): the call may pack the query heads of a kv-head
+  // group into one tile for its short sequences. Off unless JAX_VARLEN_PACK_GQA=1 while the
+  // kernel side is unverified on a GPU (benchmarks/NOTES.md); it sizes no workspace.
+  bool pack_gqa = false;
   // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
   // workspace, float32 elements per pack (tiles and counters, layout: plan/limits.h); all 0
   // when the call never takes that kernel.
@@ -72,6 +77,12 @@ struct Plan {
     return num_packs * num_heads * dq_slots * bwd_block_m * head_dim_bucket();
   }
 };
+
+// The runtime switch of pack-GQA (Plan::pack_gqa): JAX_VARLEN_PACK_GQA=1.
+inline bool pack_gqa_enabled() {
+  const char* v = std::getenv("JAX_VARLEN_PACK_GQA");
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
+}
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
 // lowering cannot see the device, and an exported call may run on any build. A device or build
@@ -134,6 +145,7 @@ inline Plan make_plan(const PlanInputs& in) {
   else if (plan.split_keys > 0) plan.fwd_path = FwdPath::kSm80Split;
   else if (hopper && sm90_extents) plan.fwd_path = FwdPath::kSm90OnePass;
   else plan.fwd_path = FwdPath::kSm80OnePass;
+  plan.pack_gqa = plan.fwd_path == FwdPath::kSm90OnePass && in.num_heads > in.kv_num_heads && pack_gqa_enabled();
 
   // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim and needs a query row;
   // its dQ workspace is sized whenever an sm_90 device could take the call.

@@ -115,6 +115,7 @@ NB_MODULE(_jax_varlen, m) {
         d["bwd_path"] = path_name(plan.bwd_path);
         d["split_keys"] = plan.split_keys;              // 0: one pass
         d["split_workspace_per_pack"] = plan.split_workspace_per_pack;
+        d["pack_gqa"] = plan.pack_gqa;                  // Hopper forward: query heads packed (JAX_VARLEN_PACK_GQA)
         d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
         d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
         return d;
@@ -134,6 +135,7 @@ NB_MODULE(_jax_varlen, m) {
     d["bwd_path"] = r.bwd_path < 0 ? nb::object(nb::none()) : nb::object(nb::str(path_name(jax_varlen::BwdPath(r.bwd_path))));
     d["split_keys"] = r.split_keys;
     d["paged"] = r.paged;  // the forward read a paged cache in place
+    d["pack_gqa"] = r.pack_gqa;  // the Hopper forward could pack query heads
     return d;
 #else
     return nb::none();

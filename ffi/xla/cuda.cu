@@ -48,6 +48,7 @@ ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
     return err;
   p.workspace = workspace->typed_data();
   p.split_keys = plan->split_keys;
+  p.pack_gqa = plan->pack_gqa;
   if (p.num_packs * p.pack_rows_q == 0 || p.num_heads == 0) return ffi::Error::Success();  // no output
   const cudaError_t err = cuda::run_fwd(p, *plan, stream);
   if (err != cudaSuccess)

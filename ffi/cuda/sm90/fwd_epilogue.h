@@ -13,11 +13,12 @@
 namespace jax_varlen::cuda::sm90 {
 
 // Where a unit's rows go: row i of the sequence, head h, is out row q_start + i of the pack;
-// lse [packs, heads, pack_rows_q].
+// lse [packs, heads, pack_rows_q]. A pack-GQA unit's heads are h + 0 .. heads - 1.
 template <typename Element>
 struct FwdUnitOut {
-  Element* out;  // the sequence's row 0 (of the unit's head)
+  Element* out;  // the sequence's row 0, head h
   float* lse;
+  int64_t lse_head_stride;  // pack_rows_q
 };
 
 // One consumer thread (ct = 0..255 over both warpgroups). The constructor builds, once before the
@@ -45,18 +46,33 @@ struct FwdEpilogue {
   __device__ __forceinline__ FwdUnitOut<Element> unit_out(const Unit& w) const {
     return {out + int64_t(w.pack) * p.out_batch_stride + int64_t(w.q_start) * p.out_row_stride +
                 w.h * p.out_head_stride,
-            p.lse + (int64_t(w.pack) * p.num_heads + w.h) * p.pack_rows_q + w.q_start};
+            p.lse + (int64_t(w.pack) * p.num_heads + w.h) * p.pack_rows_q + w.q_start, p.pack_rows_q};
   }
 
-  // Unit w has no tile: no row of the unit sees a key: zero rows (16-byte stores), lse = -inf (the sink).
+  // Unit w has no tile: no row of the unit sees a key: zero rows (16-byte stores), lse = -inf
+  // (or the sink's logit). Tile row i is query row (row_base + i) / heads of head
+  // h + (row_base + i) % heads (Unit::heads).
   __device__ __forceinline__ void store_zeros(const Unit& w, const FwdUnitOut<Element>& dst) const {
-    const int64_t row_base = int64_t(w.m_block) * kBlockM;  // of the sequence
+    const int64_t row_base = int64_t(w.m_block) * kBlockM;
     const int chunks = int(p.head_dim_v / 8);
-    Element* o = dst.out + row_base * p.out_row_stride;
-    for (int idx = ct; idx < w.rows * chunks; idx += Tr::kConsumerThreads)
-      *reinterpret_cast<uint4*>(o + (idx / chunks) * p.out_row_stride + (idx % chunks) * 8) = make_uint4(0, 0, 0, 0);
-    const float empty_lse = empty_row_lse(p, w.h);  // -inf, or the sink's logit
-    for (int r = ct; r < w.rows; r += Tr::kConsumerThreads) dst.lse[row_base + r] = empty_lse;
+    auto row_head = [&](int i, int64_t& row, int& dh) {  // query row and head offset of tile row i
+      const int64_t t = row_base + i;
+      row = w.heads == 1 ? t : int(t) / w.heads;
+      dh = w.heads == 1 ? 0 : int(t) % w.heads;
+    };
+    for (int idx = ct; idx < w.rows * chunks; idx += Tr::kConsumerThreads) {
+      int64_t row;
+      int dh;
+      row_head(idx / chunks, row, dh);
+      *reinterpret_cast<uint4*>(dst.out + row * p.out_row_stride + dh * p.out_head_stride + (idx % chunks) * 8) =
+          make_uint4(0, 0, 0, 0);
+    }
+    for (int i = ct; i < w.rows; i += Tr::kConsumerThreads) {
+      int64_t row;
+      int dh;
+      row_head(i, row, dh);
+      dst.lse[dh * dst.lse_head_stride + row] = empty_row_lse(p, w.h + dh);
+    }
   }
 
   // Unit w after its mainloop (fwd_mma.h) on rows r: tOrO holds O unnormalized, softmax the
@@ -65,18 +81,21 @@ struct FwdEpilogue {
   template <bool kSoftcap, typename FragO>
   __device__ __forceinline__ void store(const Unit& w, const FwdRows& r, const FwdUnitOut<Element>& dst,
                                         const RowSoftmax<kSoftcap>& softmax, const FragO& tOrO) const {
-    auto out_row = [&](int rr) { return dst.out + r.row_of[rr] * p.out_row_stride; };
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       float sum = softmax.l[rr];
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       if (r.row_of[rr] >= w.len_q) continue;
+      // The row's head: h, or h + its tile row % heads in a pack-GQA unit (FwdRows); the tile
+      // row of the wgmma accumulator layout: 16 rows per warp, lane / 4, + 8 for rr = 1.
+      const int dh = w.heads == 1 ? 0 : (w.m_block * kBlockM + ct / 32 * 16 + lane / 4 + 8 * rr) % w.heads;
+      const int head = w.h + dh;
       const bool any = r.limit[rr] > r.first[rr];
       const RowFinish fin =  // core/sinks.h: 1 / l and lse, with the sink in the denominator
-          any ? finish_row</*kBase2=*/true>(softmax.m[rr], sum, sink_of(p, w.h)) : RowFinish{0.0f, empty_row_lse(p, w.h)};
+          any ? finish_row</*kBase2=*/true>(softmax.m[rr], sum, sink_of(p, head)) : RowFinish{0.0f, empty_row_lse(p, head)};
       const float inv = fin.inv;
-      Element* o = out_row(rr);
+      Element* o = dst.out + int64_t(r.row_of[rr]) * p.out_row_stride + dh * p.out_head_stride;
 #pragma unroll
       for (int j = 0; j < kDT; ++j) {
         const int i = 4 * j + 2 * rr;
@@ -88,7 +107,7 @@ struct FwdEpilogue {
           *reinterpret_cast<cutlass::Array<Element, 2>*>(o + col) = pair;
         }
       }
-      if ((lane & 3) == 0) dst.lse[r.row_of[rr]] = fin.lse;
+      if ((lane & 3) == 0) dst.lse[dh * dst.lse_head_stride + r.row_of[rr]] = fin.lse;
     }
   }
 };

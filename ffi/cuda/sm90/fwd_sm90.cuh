@@ -12,7 +12,8 @@
 // assigns the roles and runs each role's persistent loop over units; the roles' state (TMA
 // views, wgmma descriptors, coordinates) is built once, before that loop.
 //
-// Work unit = (sequence b, query head h, block of kBlockM query rows), taken heaviest-first
+// Work unit = (sequence b, query head h, block of kBlockM query rows) -- or, for a short sequence
+// under pack-GQA, (sequence b, kv head, kBlockM rows of (query row, head of the group)) --, taken heaviest-first
 // in a snake over the persistent grid (tile_scheduler.h): the order depends only on the
 // lengths; each unit is computed whole by one CTA, in the same way wherever it runs, so
 // results are bitwise deterministic and batch invariant.
@@ -155,12 +156,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   __syncthreads();
   const int num_units = Sched::num_units(p, kp.num_units, ss.sched);  // work-proportional
 
-  const int group = int(p.num_heads / p.kv_num_heads);
   const FwdRole role = threadIdx.x < 128 ? FwdRole::kProducer : FwdRole::kConsumer;
   if (role == FwdRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x >= 32) return;
-    FwdLoad<Tr> load(kp, ss, group);
+    FwdLoad<Tr> load(kp, ss);
     PipelineState<Tr::kStages> pipe;
     int q_iter = 0;
     for (int r = 0;; ++r) {

@@ -1,7 +1,9 @@
 // The persistent heaviest-first scheduler of the Hopper forward (fwd_sm90.cuh): which unit of
 // work each CTA of a persistent grid takes, round by round.
 //
-// Work unit = (sequence b, query head h, block of kBlockM query rows). Units are ordered
+// Work unit = (sequence b, query head h, block of kBlockM query rows), or, for a short sequence
+// under pack-GQA (params.h; heads_of below), (sequence b, kv head, block of kBlockM rows of
+// (query row, query head of the group) pairs, the heads fastest). Units are ordered
 // heaviest-first -- sequences by their number of valid keys, descending, ties by index; within
 // a sequence the later row blocks first (they see the most keys under a causal mask), its
 // empty slots last (a packed sequence with fewer than seqlen_q query rows) -- and
@@ -13,9 +15,10 @@
 // - padded batch: num_heads * num_m_blocks units per sequence (num_m_blocks = ceil(seqlen_q /
 //   kBlockM): every sequence has seqlen_q query rows);
 // - packed batch (packed_attention, or attention with nonpad_q_seqlen), sorted: work-
-//   proportional, num_heads * ceil(len_q / kBlockM) units per sequence (len_q its real query
-//   rows), first_unit (an exclusive prefix sum by rank, in shared memory) saying where each
-//   sequence's units start: a serving step (chunks and decode rows) walks no empty slots;
+//   proportional, num_heads / heads * ceil(len_q * heads / kBlockM) units per sequence (len_q
+//   its real query rows, heads = heads_of(len_q): 1, or the group under pack-GQA), first_unit
+//   (an exclusive prefix sum by rank, in shared memory) saying where each sequence's units
+//   start: a serving step (chunks and decode rows) walks no empty slots;
 // - unsorted (more than kMaxSortedBatch sequences): num_heads * num_m_blocks slots per
 //   sequence, those past its blocks empty.
 // Only its four constants tie it to a kernel, and a unit's key bounds come from the mask
@@ -28,12 +31,15 @@ namespace jax_varlen::cuda::sm90 {
 
 // One unit of work (see the top of the file) and the keys it needs.
 struct Unit {
-  int b, h, m_block;
+  int b, m_block;
+  int h;          // the first query head of the unit (its only one unless heads > 1)
+  int heads;      // query heads of the unit: 1, or the group (pack-GQA): tile row i is query
+                  // row (m_block * kBlockM + i) / heads of head h + (m_block * kBlockM + i) % heads
   int pack;       // the pack of sequence b (b in the padded batch): TMA's fourth coordinate
   int q_start;    // first query row and first key row of sequence b in its pack (0 padded)
   int k_start;
   int len_q;      // query rows of sequence b (seqlen_q in the padded batch)
-  int rows;       // query rows of the unit: 0 for an empty slot
+  int rows;       // tile rows of the unit: 0 for an empty slot
   int n;          // valid keys of sequence b, clamped into [0, seqlen_k]
   // Its rows' allowed keys (mask.h, key_range; both bounds grow with the row):
   int min_limit;  // end of the first row's keys: tiles that end at or before it need no right mask
@@ -58,9 +64,20 @@ struct HeaviestFirstScheduler {
     uint16_t order[kMaxSortedBatch];  // the sequence of each rank
   };
 
+  // Query heads per unit of a sequence of the sorted packed list with len_q query rows
+  // (Unit::heads): the group when pack-GQA is on and the sequence is shorter than a tile and
+  // fills fewer tiles with the group's heads packed (ceil(len_q * group / kBlockM) per kv head)
+  // than without (group per kv head); else 1. A decode row packs (1 tile instead of group), a
+  // chunk of a full tile or more never does (it keeps the TMA path for Q).
+  static __device__ __forceinline__ int heads_of(const AttentionParams& p, int len_q) {
+    const int group = int(p.num_heads / p.kv_num_heads);
+    if (!p.pack_gqa || group == 1 || len_q >= kBlockM) return 1;
+    return (len_q * group + kBlockM - 1) / kBlockM < group ? group : 1;
+  }
+
   // Sequences sorted by clamped length, descending, ties by index: order[rank] = b, and
-  // sorted_len[rank] = n_b (padded) or first_unit[rank] = num_heads * (row blocks of the ranks
-  // before) and packed_units (packed). All threads; sorted_len holds the lengths by b while
+  // sorted_len[rank] = n_b (padded) or first_unit[rank] = the units of the ranks before
+  // (num_heads / heads * ceil(len_q * heads / kBlockM) each) and packed_units (packed). All threads; sorted_len holds the lengths by b while
   // ranking. The caller syncs the CTA before reading them.
   static __device__ void sort_sequences(const AttentionParams& p, SharedStorage& ss) {
     const int batch = int(p.batch);
@@ -88,8 +105,10 @@ struct HeaviestFirstScheduler {
       const int b = threadIdx.x + i * kThreads;
       if (b < batch) {
         ss.order[rank[i]] = uint16_t(b);
-        if (packed)  // its units, summed below
-          ss.first_unit[rank[i]] = int(p.num_heads) * int((SeqlenInfo(p, b).seqlen_q + kBlockM - 1) / kBlockM);
+        if (packed) {  // its units, summed below
+          const int len_q = int(SeqlenInfo(p, b).seqlen_q), heads = heads_of(p, len_q);
+          ss.first_unit[rank[i]] = int(p.num_heads) / heads * ((len_q * heads + kBlockM - 1) / kBlockM);
+        }
         else
           ss.sorted_len[rank[i]] = len[i];
       }
@@ -163,19 +182,23 @@ struct HeaviestFirstScheduler {
       w.k_start = int(seq.k_start);
       w.len_q = int(seq.seqlen_q);
     }
-    // Row blocks from the sequence's last; slots past its first block (an unsorted packed
-    // batch) are empty.
-    const int blocks = (w.len_q + kBlockM - 1) / kBlockM;
-    w.m_block = blocks - 1 - rem / int(p.num_heads);
-    w.h = rem % int(p.num_heads);
+    // Row blocks from the sequence's last, heads (or kv heads, packed) fastest; slots past its
+    // first block (an unsorted packed batch) are empty.
+    w.heads = sorted && p.cu_seqlens_q != nullptr ? heads_of(p, w.len_q) : 1;  // only this list packs
+    const int tile_rows = w.len_q * w.heads;  // < kBlockM * group when heads > 1
+    const int blocks = (tile_rows + kBlockM - 1) / kBlockM;
+    const int unit_heads = int(p.num_heads) / w.heads;
+    w.m_block = blocks - 1 - rem / unit_heads;
+    w.h = rem % unit_heads * w.heads;
     if (w.m_block < 0) {
       w.rows = w.min_limit = w.max_first = w.key_end = w.n_tiles = w.t_begin = 0;
       return w;
     }
     const int row0 = w.m_block * kBlockM;
-    w.rows = w.len_q - row0 < kBlockM ? w.len_q - row0 : kBlockM;
-    const Range first = key_range(p.mask(), row0, w.n, w.len_q);
-    const Range last = key_range(p.mask(), row0 + w.rows - 1, w.n, w.len_q);
+    w.rows = tile_rows - row0 < kBlockM ? tile_rows - row0 : kBlockM;
+    // The unit's query rows: from its first tile row's to its last's.
+    const Range first = key_range(p.mask(), row0 / w.heads, w.n, w.len_q);
+    const Range last = key_range(p.mask(), (row0 + w.rows - 1) / w.heads, w.n, w.len_q);
     w.min_limit = int(first.end);
     w.max_first = int(last.begin);
     w.key_end = int(last.end);
