@@ -326,8 +326,11 @@ def paged_attention(
     Decode-like calls read the pages in place on the GPU (float16/bfloat16, head sizes
     multiples of 8, at most 16 queries per sequence -- padded ``Sq <= 16``, or packed with
     ``max_seqlen_q = 1`` -- and ``page_size`` a multiple of 16): the split-KV kernel loads each
-    key tile through the block table. Other calls (longer query runs, other page sizes,
-    float32) copy the pages each sequence needs into a padded
+    key tile through the block table. With ``JAX_VARLEN_PAGED_SM90=1`` padded chunks of more
+    than 16 queries (chunked prefill) read them in place too, on the Hopper forward (its
+    producer warps gather each key tile's pages; not yet verified on a GPU). Other calls
+    (longer query runs, other page sizes, float32) copy the pages each sequence needs into a
+    padded
     ``[B, max_pages * page_size, Hkv, D]`` key and value and call :func:`attention`: their
     cost and memory follow ``B * max_pages * page_size``.
 

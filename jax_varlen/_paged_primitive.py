@@ -60,8 +60,9 @@ def _plan(query_shape, dtype, cache_shape, value_dim: int, max_pages: int) -> di
 def takes(query_shape, dtype, key_cache, value_cache, max_pages: int) -> bool:
     """Whether the paged kernel takes a call with padded queries ``query_shape``
     ``[B, Sq, H, D]`` and these caches (the plan decides): float16 or bfloat16, head sizes
-    multiples of 8, ``Sq <= 16`` queries per sequence (the split-KV path) and ``page_size`` a
-    multiple of 16."""
+    multiples of 8, ``Sq <= 16`` queries per sequence (the split-KV path; longer chunks on the
+    Hopper forward with ``JAX_VARLEN_PAGED_SM90=1``, not yet verified on a GPU) and
+    ``page_size`` a multiple of 16."""
     if dtype not in (jnp.float16, jnp.bfloat16):
         return False  # the plan's first condition, without asking it for a dtype it rejects
     plan = _plan(query_shape, dtype, key_cache.shape, value_cache.shape[-1], max_pages)

@@ -293,6 +293,40 @@ def test_merged_heads(backend, case):
                                atol=RTOL[jnp.dtype(dtype)] * 10, rtol=0)
 
 
+# Chunks (more than 16 queries) read in place by the Hopper forward (its producer warps gather
+# the pages, sm90/fwd_load.h) under JAX_VARLEN_PAGED_SM90=1; without it they gather first.
+_HOPPER_CHUNKS = {
+    "chunks-p16-bf16-d128": ("padded", "bf16", 16, 40, 8, 2, 128, 128, [640, 129, 0, 1, 300], 64,
+                             dict(is_causal=True)),
+    "chunks-p64-f16-d64-softcap": ("padded", "f16", 64, 12, 4, 1, 64, 64, [700, 65, 3], 40,
+                                   dict(is_causal=True, softcap=5.0)),
+    "chunks-p32-bf16-d256-window-sinks": ("padded", "bf16", 32, 10, 4, 2, 256, 256, [300, 31, 0], 33,
+                                          dict(is_causal=True, local_window_size=(50, 0),
+                                               sinks=_SINKS4)),
+    "chunks-p48-bf16-d128-noncausal": ("padded", "bf16", 48, 20, 4, 4, 128, 128, [900, 47, 49], 17,
+                                       {}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", _HOPPER_CHUNKS)
+def test_hopper_reads_the_pages_of_chunks(monkeypatch, name):
+    """With JAX_VARLEN_PAGED_SM90=1 a chunked-prefill call binds the paged primitive and the
+    Hopper forward reads the pages in place (the launch says so): against the oracle and the
+    unpaged call, NaN in every unused page and row (_paged)."""
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if jax.default_backend() != "gpu" or not cc.startswith("9"):
+        pytest.skip(f"needs a compute capability 9.x GPU, got {cc!r}")
+    monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
+    case = _HOPPER_CHUNKS[name]
+    q, kc, vc, table, n, extra = _case_inputs(case)
+    f = functools.partial(jax_varlen.paged_attention, **case[-1])
+    assert "jax_varlen_paged_attention_fwd" in str(jax.make_jaxpr(f)(q, kc, vc, table, n))
+    _run_case(case)
+    ran = _ffi.extension().last_launch()
+    assert ran["paged"] and ran["fwd_path"] == "sm90_one_pass", ran
+
+
 @backend_cases("case", {"cpu": {"speculative": _CPU["speculative-p16-causal"],
                                 "mixed": _CPU["mixed-p16-causal"]},
                         "gpu": {"mixed": _GPU["mixed-p16-bf16-d128"]}})

@@ -326,6 +326,30 @@ def test_paged_plan_refuses_what_the_kernel_cannot_read(kw, got):
     assert got in p["unsupported"]
 
 
+def test_paged_chunks_on_hopper_are_a_switch(monkeypatch):
+    """Paged calls with more than 16 queries per sequence: refused (paged_attention gathers)
+    unless JAX_VARLEN_PAGED_SM90=1, which plans them on the Hopper forward, in place, with no
+    workspace and no backward; an sm80 device still refuses them."""
+    monkeypatch.delenv("JAX_VARLEN_PAGED_SM90", raising=False)
+    assert "the paged kernel" in _ffi.extension().plan(
+        dtype="bfloat16", pack_seqs=1, pack_rows_q=64, pack_rows_k=640, seqlen_q=64, seqlen_k=640,
+        num_heads=8, kv_num_heads=2, head_dim=128, head_dim_v=128, page_size=16,
+        compute_major=9)["unsupported"]
+    monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
+    inputs = dict(dtype="bfloat16", pack_seqs=1, pack_rows_q=64, pack_rows_k=640, seqlen_q=64,
+                  seqlen_k=640, num_heads=8, kv_num_heads=2, head_dim=128, head_dim_v=128,
+                  page_size=16)
+    on9 = _ffi.extension().plan(**inputs, compute_major=9)
+    if _ffi.extension().with_sm90:
+        assert on9["unsupported"] == "" and on9["fwd_path"] == "sm90_one_pass"
+        assert (on9["split_workspace_per_pack"], on9["dq_workspace_per_pack"]) == (0, 0)
+        assert "page_size 24" in _ffi.extension().plan(**{**inputs, "page_size": 24},
+                                                       compute_major=9)["unsupported"]
+    else:
+        assert "the paged kernel" in on9["unsupported"]
+    assert "the paged kernel" in _ffi.extension().plan(**inputs, compute_major=8)["unsupported"]
+
+
 def test_paged_and_sinks_lowerings_carry_the_plans_workspace(cuda_lowering):
     """paged_attention in place lowers to the paged target with the split plan's workspace;
     attention with sinks to the sinks target, with the workspace of the same call without."""

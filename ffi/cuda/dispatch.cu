@@ -12,7 +12,8 @@
 //   sm80 one pass compute capability 8+  the same with longer queries                sm80::run_fwd_tc
 //   portable      any                    everything else (float32 on an exact fp32  portable::run_fwd_simt
 //                                        path, odd head sizes)
-// Paged calls (block_table set) take the sm80 split row only: its kernel reads the pages.
+// Paged calls (block_table set) take the sm80 split row, or the sm90 one pass where the plan
+// allows it (JAX_VARLEN_PAGED_SM90): both kernels read the pages in place.
 // Packed calls (cu_seqlens set) run portable/packed_fill.cuh first (the rows no sequence owns),
 // then the same kernels as padded ones (every kernel reads sequences through SeqlenInfo).
 // Backward (after portable/bwd_preprocess.cuh, for every path):
@@ -153,9 +154,10 @@ int device_major() {
 cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t stream) {
   const bool aligned = aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out);
   const FwdPath path = aligned ? plan.fwd_path : FwdPath::kPortable;
-  // Pages are read by the split-KV kernel alone (the plan takes a paged call nowhere else; the
-  // handler rejects unaligned caches before this point).
-  if (p.block_table != nullptr && path != FwdPath::kSm80Split) return cudaErrorInvalidValue;
+  // Pages are read by the split-KV kernel and the Hopper forward alone (the plan takes a paged
+  // call nowhere else; the handler rejects unaligned caches before this point).
+  if (p.block_table != nullptr && path != FwdPath::kSm80Split && path != FwdPath::kSm90OnePass)
+    return cudaErrorInvalidValue;
   const PathKernels* kernels = kFwdPaths[int(path)];
   const FwdFn fn = kernels == nullptr ? nullptr : (*kernels)[int(p.dtype)][plan.bucket];
   if (fn == nullptr) return cudaErrorInvalidValue;

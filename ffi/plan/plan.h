@@ -78,11 +78,15 @@ struct Plan {
   }
 };
 
-// The runtime switch of pack-GQA (Plan::pack_gqa): JAX_VARLEN_PACK_GQA=1.
-inline bool pack_gqa_enabled() {
-  const char* v = std::getenv("JAX_VARLEN_PACK_GQA");
+// Runtime switches of kernel paths not yet verified on a GPU (benchmarks/NOTES.md): an
+// environment variable set to "1". JAX_VARLEN_PACK_GQA: Plan::pack_gqa. JAX_VARLEN_PAGED_SM90:
+// paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward.
+inline bool switch_on(const char* name) {
+  const char* v = std::getenv(name);
   return v != nullptr && v[0] == '1' && v[1] == '\0';
 }
+inline bool pack_gqa_enabled() { return switch_on("JAX_VARLEN_PACK_GQA"); }
+inline bool paged_sm90_enabled() { return switch_on("JAX_VARLEN_PAGED_SM90"); }
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
 // lowering cannot see the device, and an exported call may run on any build. A device or build
@@ -162,14 +166,19 @@ inline Plan make_plan(const PlanInputs& in) {
     plan.bwd_path = BwdPath::kSm90;
   else plan.bwd_path = BwdPath::kSm80;
 
-  // Paged keys: only the split-KV kernel reads pages in place (limits.h, kPagedRun), and a paged
-  // call has no backward (forward only: no dQ workspace).
+  // Paged keys: the split-KV kernel reads pages in place (limits.h, kPagedRun), and the Hopper
+  // forward too when JAX_VARLEN_PAGED_SM90=1 (longer queries: chunked prefill; its kernel side is
+  // unverified on a GPU until then). A paged call has no backward (forward only: no dQ
+  // workspace).
   if (in.page_size != 0) {
-    if (plan.fwd_path != FwdPath::kSm80Split || in.page_size % c::kPagedRun != 0) {
+    const bool reads_pages = plan.fwd_path == FwdPath::kSm80Split ||
+                             (plan.fwd_path == FwdPath::kSm90OnePass && paged_sm90_enabled());
+    if (!reads_pages || in.page_size % c::kPagedRun != 0) {
       Plan none;
       none.unsupported = "jax_varlen: the paged kernel (split-KV) takes float16/bfloat16 with head sizes that are "
                          "multiples of 8, at most " + std::to_string(c::kSplitMaxSeqlenQ) +
-                         " queries per sequence and pages of a multiple of " + std::to_string(c::kPagedRun) +
+                         " queries per sequence (more on Hopper with JAX_VARLEN_PAGED_SM90=1) and pages of a "
+                         "multiple of " + std::to_string(c::kPagedRun) +
                          " rows; got " + std::to_string(in.seqlen_q) + " queries per sequence, head sizes " +
                          std::to_string(in.head_dim) + " and " + std::to_string(in.head_dim_v) +
                          ", page_size " + std::to_string(in.page_size);

@@ -4,7 +4,8 @@
 //
 // One CTA = 3 warpgroups (384 threads), by role:
 //   warpgroup 0, warp 0: the producer (fwd_load.h, FwdLoad). It issues the TMA copies of Q, K
-//     and V (kStages-deep K and V rings on mbarriers), from a unit's last key tile down.
+//     and V (kStages-deep K and V rings on mbarriers), from a unit's last key tile down; for a
+//     paged call all four of its warps gather K and V from the pages by cp.async instead.
 //   warpgroups 1 and 2: the consumers, 64 query rows each of a kBlockM = 128 row tile: the
 //     mainloop (fwd_mma.h, FwdMma: S = Q K^T, the online softmax, O += P V, the two warpgroups
 //     taking turns to issue GEMMs) and the epilogue (fwd_epilogue.h, FwdEpilogue: O / l and lse).
@@ -49,6 +50,7 @@ struct FwdTraits {
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kProducerWarps = 4;  // warpgroup 0: warp 0 loads; all 4 gather a paged call's pages
   // 128 * producer + 256 * consumer registers <= 64K; wider key tiles need the last 8.
   static constexpr int kProducerRegs = kBlockN > 128 ? 24 : 40;
   static constexpr int kConsumerRegs = kBlockN > 128 ? 240 : 232;
@@ -131,7 +133,7 @@ struct KernelParams {
 // 1 and 2 are the consumers.
 enum class FwdRole { kProducer, kConsumer };
 
-template <typename Tr, bool kSoftcap>
+template <typename Tr, bool kSoftcap, bool kPaged>
 __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_constant__ KernelParams<Tr> kp) {
   using Element = typename Tr::Element;
   using Sched = typename Tr::Scheduler;
@@ -140,11 +142,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   const AttentionParams& p = kp.p;
   using Barrier = cutlass::arch::ClusterBarrier;
 
+  // A paged call's K and V tiles land by cp.async from every producer warp (fwd_load.h), each
+  // arriving once; otherwise by TMA, one arrival with its transaction bytes.
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < Tr::kStages; ++s) {
-      Barrier::init(&ss.full_k[s], 1);
-      Barrier::init(&ss.full_v[s], 1);
+      Barrier::init(&ss.full_k[s], kPaged ? Tr::kProducerWarps : 1);
+      Barrier::init(&ss.full_v[s], kPaged ? Tr::kProducerWarps : 1);
       Barrier::init(&ss.empty_k[s], Tr::kConsumerWarps);
       Barrier::init(&ss.empty_v[s], Tr::kConsumerWarps);
     }
@@ -159,8 +163,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   const FwdRole role = threadIdx.x < 128 ? FwdRole::kProducer : FwdRole::kConsumer;
   if (role == FwdRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (threadIdx.x >= 32) return;
-    FwdLoad<Tr> load(kp, ss);
+    if (threadIdx.x >= 32 && !kPaged) return;
+    FwdLoad<Tr, kPaged> load(kp, ss);
     PipelineState<Tr::kStages> pipe;
     int q_iter = 0;
     for (int r = 0;; ++r) {
@@ -224,7 +228,9 @@ cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (units > INT32_MAX) return cudaErrorInvalidValue;
   kp.num_units = int(units);
   const int grid = kp.num_units < sm_count() ? kp.num_units : sm_count();
-  auto kernel = p.softcap > 0.0f ? fwd_sm90_kernel<Tr, true> : fwd_sm90_kernel<Tr, false>;
+  const bool paged = p.block_table != nullptr;  // pages gathered by the producer warps (fwd_load.h)
+  auto kernel = p.softcap > 0.0f ? (paged ? fwd_sm90_kernel<Tr, true, true> : fwd_sm90_kernel<Tr, true, false>)
+                                 : (paged ? fwd_sm90_kernel<Tr, false, true> : fwd_sm90_kernel<Tr, false, false>);
   constexpr size_t kSmem = sizeof(SharedStorage<Tr>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (err != cudaSuccess) return err;
