@@ -202,8 +202,8 @@ PACK_GQA_CASES = {
 
 @pytest.mark.parametrize("case", PACK_GQA_CASES)
 def test_pack_gqa_serving_step(monkeypatch, case):
-    """Pack-GQA (JAX_VARLEN_PACK_GQA=1: plan.h; tile_scheduler.h, heads_of): in a serving step
-    the sequences shorter than a tile whose group's rows fill fewer tiles packed (decode rows,
+    """Pack-GQA (plan.h, on unless JAX_VARLEN_PACK_GQA=0; tile_scheduler.h, heads_of): in a
+    serving step the sequences shorter than a tile whose group's rows fill fewer tiles packed (decode rows,
     short chunks) take units of a kv head's whole group; the rest keep a unit per query head.
     The launch says it could pack; out and lse of every real row against the float64 oracle,
     within twice the unpacked kernel's error (plus a floor); deterministic; each sequence's bits
@@ -225,10 +225,10 @@ def test_pack_gqa_serving_step(monkeypatch, case):
         return jax.jit(lambda *a: jax_varlen.packed_attention(*a, return_lse=True, **hints, **kw))(
             q, k, v, cu_q, cu_k)
 
-    monkeypatch.delenv("JAX_VARLEN_PACK_GQA", raising=False)
+    monkeypatch.setenv("JAX_VARLEN_PACK_GQA", "0")
     base_out, _ = run(q, k, v, cu_q, cu_k)
     assert not jax_varlen._ffi.extension().last_launch()["pack_gqa"]
-    monkeypatch.setenv("JAX_VARLEN_PACK_GQA", "1")
+    monkeypatch.delenv("JAX_VARLEN_PACK_GQA")
     out, lse = run(q, k, v, cu_q, cu_k)
     ran = jax_varlen._ffi.extension().last_launch()
     assert ran["fwd_path"] == "sm90_one_pass" and ran["pack_gqa"], ran

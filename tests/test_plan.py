@@ -147,22 +147,18 @@ def test_paths_by_compute_capability(Sq, D):
     assert by_major[0] == by_major[best]
 
 
-def test_pack_gqa_is_a_switch(monkeypatch):
-    """Pack-GQA (Plan::pack_gqa) only for the Hopper forward of a call with a group, and only
-    with JAX_VARLEN_PACK_GQA=1 (its kernel side is unverified on a GPU until then); it sizes no
-    workspace and changes no path."""
+def test_pack_gqa_by_default_on_hopper(monkeypatch):
+    """Pack-GQA (Plan::pack_gqa) for the Hopper forward of a call with a group, unless
+    JAX_VARLEN_PACK_GQA=0; it sizes no workspace and changes no path."""
     monkeypatch.delenv("JAX_VARLEN_PACK_GQA", raising=False)
-    off = plan(Sq=300, compute_major=9)
-    assert not off["pack_gqa"]
-    monkeypatch.setenv("JAX_VARLEN_PACK_GQA", "1")
     on = plan(Sq=300, compute_major=9)
     assert on["pack_gqa"] == _ffi.extension().with_sm90
-    assert {**on, "pack_gqa": False} == off
     assert not plan(Sq=300, H=8, Hkv=8, compute_major=9)["pack_gqa"]  # no group to pack
     assert not plan(Sq=4, compute_major=9)["pack_gqa"]  # split-KV (its own kernel packs)
     assert not plan(Sq=300, compute_major=8)["pack_gqa"]
     monkeypatch.setenv("JAX_VARLEN_PACK_GQA", "0")
-    assert not plan(Sq=300, compute_major=9)["pack_gqa"]
+    off = plan(Sq=300, compute_major=9)
+    assert not off["pack_gqa"] and {**on, "pack_gqa": False} == off
 
 
 def test_hopper_needs_a_key_row():

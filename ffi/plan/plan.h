@@ -60,8 +60,8 @@ struct Plan {
   int64_t split_keys = 0;
   int64_t split_workspace_per_pack = 0;
   // Pack-GQA on the Hopper forward (params.h): the call may pack the query heads of a kv-head
-  // group into one tile for its short sequences. Off unless JAX_VARLEN_PACK_GQA=1 while the
-  // kernel side is unverified on a GPU (benchmarks/NOTES.md); it sizes no workspace.
+  // group into one tile for its short sequences (JAX_VARLEN_PACK_GQA=0 turns it off, to compare);
+  // it sizes no workspace.
   bool pack_gqa = false;
   // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
   // workspace, float32 elements per pack (tiles and counters, layout: plan/limits.h); all 0
@@ -78,15 +78,15 @@ struct Plan {
   }
 };
 
-// Runtime switches of kernel paths not yet verified on a GPU (benchmarks/NOTES.md): an
-// environment variable set to "1". JAX_VARLEN_PACK_GQA: Plan::pack_gqa. JAX_VARLEN_PAGED_SM90:
+// Runtime switches (benchmarks/NOTES.md), environment variables read when a call is planned:
+// JAX_VARLEN_PACK_GQA=0 turns Plan::pack_gqa off (on by default); JAX_VARLEN_PAGED_SM90=1 lets
 // paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward.
-inline bool switch_on(const char* name) {
+inline bool switch_is(const char* name, char value) {
   const char* v = std::getenv(name);
-  return v != nullptr && v[0] == '1' && v[1] == '\0';
+  return v != nullptr && v[0] == value && v[1] == '\0';
 }
-inline bool pack_gqa_enabled() { return switch_on("JAX_VARLEN_PACK_GQA"); }
-inline bool paged_sm90_enabled() { return switch_on("JAX_VARLEN_PAGED_SM90"); }
+inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
+inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
 // lowering cannot see the device, and an exported call may run on any build. A device or build
