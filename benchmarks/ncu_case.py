@@ -6,7 +6,9 @@
 Each named shape of shapes.json (default: d128-full, decode-full) runs twice (the first call
 compiles), so `--launch-count 2` per shape profiles a warm launch too. A shape's padded query
 rows (lengths_q) go in as nonpad_q_seqlen; --packed calls packed_attention on the shape's valid
-tokens instead (bench.Packed, as the benchmark's jax_varlen_packed). --runs N: N calls instead
+tokens instead (bench.Packed, as the benchmark's jax_varlen_packed); --fa3 with --packed runs
+FA3's flash_mha_varlen on the same tokens instead (the peer's kernel, side by side with ours in
+another ncu run; its kernels match -k "regex:flash|Flash|device_kernel"). --runs N: N calls instead
 of 2 (kernel_times.py finds one call's kernels as the launches that repeat at the end). With --grad each call
 is the gradient of sum(out * dO) (forward and backward kernels, e.g. -k "regex:bwd_"). Without
 XLA_PYTHON_CLIENT_PREALLOCATE=false, ncu saves and restores JAX's whole memory pool around
@@ -20,26 +22,34 @@ import jax
 import bench
 
 
-def call(jax_varlen, shape, packed):
+def call(jax_varlen, shape, packed, fa3=False):
     """(fn, args): the shape's padded call (lengths_q, where the shape has them, as
-    nonpad_q_seqlen), or with `packed` the packed call on its valid tokens (bench.Packed)."""
+    nonpad_q_seqlen), or with `packed` the packed call on its valid tokens (bench.Packed): ours,
+    or FA3's with `fa3`."""
     inputs = bench.make_set(shape, jax.numpy.bfloat16, 0, 0)
     causal = shape["causal"]
     if packed:
         pk = bench.Packed(shape)
+        if fa3:
+            fns, error = bench.fa3_fn()
+            if fns is None:
+                sys.exit(error)
+            scale = shape["D"] ** -0.5
+            return (lambda q, k, v, cq, ck: fns[1](q, k, v, cq, ck, scale=scale, is_causal=causal,
+                                                    **pk.hints)), pk.pack(*inputs)
         return (lambda q, k, v, cq, ck: jax_varlen.packed_attention(
             q, k, v, cq, ck, is_causal=causal, **pk.hints)), pk.pack(*inputs)
     return (lambda q, k, v, n, n_q=None: jax_varlen.attention(
         q, k, v, n, nonpad_q_seqlen=n_q, is_causal=causal)), inputs
 
 
-def main(names, grad, packed, runs):
+def main(names, grad, packed, runs, fa3=False):
     jax_varlen, error = bench.import_jax_varlen()
     if jax_varlen is None:
         sys.exit(error)
     shapes = bench.load_shapes()
     for name in names:
-        attn, inputs = call(jax_varlen, shapes[name], packed)
+        attn, inputs = call(jax_varlen, shapes[name], packed, fa3)
         f = jax.jit(attn)
         if grad:
             f = jax.jit(jax.grad(lambda *a: attn(*a).astype(jax.numpy.float32).sum(), argnums=(0, 1, 2)))
@@ -53,6 +63,6 @@ if __name__ == "__main__":
     runs = int(args[args.index("--runs") + 1]) if "--runs" in args else 2
     if "--runs" in args:
         del args[args.index("--runs"):args.index("--runs") + 2]
-    flags = {"--grad", "--packed"}
+    flags = {"--grad", "--packed", "--fa3"}
     main([a for a in args if a not in flags] or ["d128-full", "decode-full"], "--grad" in args,
-         "--packed" in args, runs)
+         "--packed" in args, runs, "--fa3" in args)
