@@ -62,12 +62,14 @@ def main():
         else:
             os.environ["JAX_VARLEN_PAGED_SM90"] = value
 
-    paged = lambda *x: jax_varlen.paged_attention(*x, is_causal=True)  # noqa: E731
+    def paged():  # a new function per path: jit caches traces by function
+        return lambda *x: jax_varlen.paged_attention(*x, is_causal=True)
+
     dense = lambda q, k, v, n: jax_varlen.attention(q, k, v, n, is_causal=True)  # noqa: E731
     paged_args = (q, kc, vc, jnp.asarray(table), seqlens)
     results, ref = [], None
-    for name, switch, f, args in (("paged, gathered", None, paged, paged_args),
-                                  ("paged, in place (JAX_VARLEN_PAGED_SM90=1)", "1", paged, paged_args),
+    for name, switch, f, args in (("paged, gathered", None, paged(), paged_args),
+                                  ("paged, in place (JAX_VARLEN_PAGED_SM90=1)", "1", paged(), paged_args),
                                   ("dense keys (attention)", None, dense, (q, dense_k, dense_v, seqlens))):
         use_switch(switch)
         f = jax.jit(f)
