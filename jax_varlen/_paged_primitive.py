@@ -136,7 +136,7 @@ def _lower_cuda(ctx, *args, config):
                  block_table.shape[1])
     if plan["unsupported"]:  # paged_attention asks first (takes); a direct bind may not
         raise ValueError(plan["unsupported"])
-    workspace = workspace_aval(ctx.avals_in, plan["split_workspace_per_pack"])
+    workspace = workspace_aval(ctx.avals_in, plan["fwd_workspace_per_pack"])
     ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
     out, lse, _ = jax.ffi.ffi_lowering(_ffi.PAGED_CUDA_TARGET)(ctx, *args, **ffi_attrs(config))
     return [out, lse]

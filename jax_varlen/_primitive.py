@@ -235,7 +235,7 @@ def cuda_plan(avals_in, config: AttentionConfig) -> dict:
     # at 1 and 2 give its size as an expression; the handler plans the concrete count.
     one, two = ask(1), ask(2)
     plan = dict(one)
-    for name in ("split_workspace_per_pack", "dq_workspace_per_pack"):
+    for name in ("fwd_workspace_per_pack", "dq_workspace_per_pack"):
         plan[name] = one[name] + (pack_seqs - 1) * (two[name] - one[name])
     return plan
 
@@ -254,7 +254,7 @@ def lower_cuda(target: str):
 
     def lower(ctx, *args, config):
         plan = cuda_plan(ctx.avals_in, config)
-        workspace = workspace_aval(ctx.avals_in, plan["split_workspace_per_pack"])
+        workspace = workspace_aval(ctx.avals_in, plan["fwd_workspace_per_pack"])
         ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
         out, lse, _ = jax.ffi.ffi_lowering(target)(ctx, *args, **ffi_attrs(config))
         return [out, lse]

@@ -256,3 +256,33 @@ def test_pack_gqa_serving_step(monkeypatch, case):
                            nan_rows(v[rk], max(lens_k)), *sub)
         n = lens_q[b]
         assert bits(a_out[:n]) == bits(out[rq]) and bits(a_lse[:, :n]) == bits(lse[:, rq]), f"sequence {b}"
+
+
+@pytest.mark.parametrize("layout", ["packed-serving-step", "padded-causal"])
+def test_dynamic_units_change_no_bit(monkeypatch, layout):
+    """Dynamic units (JAX_VARLEN_DYNAMIC_UNITS=1, fwd_sm90.cuh UnitSource: a work counter in
+    the forward's workspace instead of the static snake) move units between CTAs, never what a
+    unit computes: out and lse bitwise equal to the static schedule's, run after run (the
+    counter is zeroed before every launch), and the launch says which ran."""
+    _hopper()
+    if layout == "packed-serving-step":
+        rng = np.random.default_rng(23)
+        lens_q = [700, 1, 0, 3, 31, 1, 96, 129, 1, 17] * 4
+        lens_k = [n + int(rng.integers(0, 2000)) for n in lens_q]
+        q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, H=8, Hkv=2, D=128, Dv=128, dtype=jnp.bfloat16)
+        kw = dict(is_causal=True, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+        make = lambda: jax.jit(lambda *a: jax_varlen.packed_attention(*a, return_lse=True, **kw))  # noqa: E731
+        args = (q, k, v, cu_q, cu_k)
+    else:
+        q, k, v, n = make_inputs(4, 1000, 1000, 8, 2, 64, 64, jnp.bfloat16, [1000, 3, 517, 0])
+        make = lambda: jax.jit(lambda *a: jax_varlen.attention(*a, return_lse=True, is_causal=True))  # noqa: E731
+        args = (q, k, v, n)
+    monkeypatch.delenv("JAX_VARLEN_DYNAMIC_UNITS", raising=False)
+    static = make()(*args)
+    assert not jax_varlen._ffi.extension().last_launch()["dynamic_units"]
+    monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "1")
+    f = make()
+    for _ in range(3):
+        out, lse = f(*args)
+        assert jax_varlen._ffi.extension().last_launch()["dynamic_units"]
+        assert bits(out) == bits(static[0]) and bits(lse) == bits(static[1])

@@ -31,7 +31,7 @@ def plan(dtype="bfloat16", Sq=4, Skv=2100, H=8, Hkv=2, D=128, Dv=None, **kw):
 
 
 def workspaces(p):
-    return p["split_workspace_per_pack"], p["dq_workspace_per_pack"]
+    return p["fwd_workspace_per_pack"], p["dq_workspace_per_pack"]
 
 
 def split_limit(dtype):
@@ -57,7 +57,7 @@ def test_split_kv_for_short_queries_in_16_bit(dtype):
     for major in (0, 8, 9):
         assert plan(dtype, Sq=limit, compute_major=major)["fwd_path"] == "sm80_split"
         long = plan(dtype, Sq=limit + 1, compute_major=major)
-        assert long["split_keys"] == 0 and long["split_workspace_per_pack"] == 0
+        assert long["split_keys"] == 0 and long["fwd_workspace_per_pack"] == 1  # the unit counter
         assert long["fwd_path"] in ("sm80_one_pass", "sm90_one_pass")
     for Sq in range(limit + 1, 4 * limit):
         assert plan(dtype, Sq=Sq)["split_keys"] == 0
@@ -76,22 +76,39 @@ def test_portable_calls_take_no_workspace(case):
             assert workspaces(p) == (0, 0) and p["bwd_block_m"] == 0
 
 
+def test_one_pass_workspace_is_the_unit_counter(monkeypatch):
+    """Calls the Hopper forward could take get one word per pack for its unit counter (dynamic
+    units), whatever the device, the build and the switch; portable calls none. The switch
+    (JAX_VARLEN_DYNAMIC_UNITS=1) sets the plan's dynamic_units on the Hopper path only, never
+    for a paged call."""
+    monkeypatch.delenv("JAX_VARLEN_DYNAMIC_UNITS", raising=False)
+    for major in (0, 8, 9):
+        p = plan(Sq=300, compute_major=major)
+        assert p["fwd_workspace_per_pack"] == 1 and not p["dynamic_units"]
+    assert plan(Sq=300, dtype="float32")["fwd_workspace_per_pack"] == 0
+    assert plan(Sq=300, Skv=0)["fwd_workspace_per_pack"] == 0  # no key row: never the Hopper path
+    monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "1")
+    assert plan(Sq=300, compute_major=9)["dynamic_units"] == _ffi.extension().with_sm90
+    assert not plan(Sq=300, compute_major=8)["dynamic_units"]
+    assert not plan(Sq=4, compute_major=9)["dynamic_units"]  # split-KV
+
+
 def test_split_workspace_size():
     """One float32 partial per (sequence, kv head, chunk of keys, padded query row), each
     head_dim_v + 1 floats (output and lse): a second chunk doubles it, a sequence more in the
     pack adds as much again, and with no query or key row it is empty."""
     chunk = plan(Sq=4)["split_keys"]
-    one = plan(Sq=4, Skv=chunk, Dv=64)["split_workspace_per_pack"]
+    one = plan(Sq=4, Skv=chunk, Dv=64)["fwd_workspace_per_pack"]
     assert one > 0 and one % 65 == 0
-    assert plan(Sq=4, Skv=chunk + 1, Dv=64)["split_workspace_per_pack"] == 2 * one
-    assert plan(Sq=4, Skv=chunk, Dv=128)["split_workspace_per_pack"] == one // 65 * 129
+    assert plan(Sq=4, Skv=chunk + 1, Dv=64)["fwd_workspace_per_pack"] == 2 * one
+    assert plan(Sq=4, Skv=chunk, Dv=128)["fwd_workspace_per_pack"] == one // 65 * 129
     packed = plan(Sq=4, Skv=chunk, Dv=64, pack_seqs=3, pack_rows_q=40, pack_rows_k=3 * chunk)
-    assert packed["split_workspace_per_pack"] == 3 * one
-    assert plan(Sq=0)["split_workspace_per_pack"] == 0
-    assert plan(Skv=0)["split_workspace_per_pack"] == 0
+    assert packed["fwd_workspace_per_pack"] == 3 * one
+    assert plan(Sq=0)["fwd_workspace_per_pack"] == 0
+    assert plan(Skv=0)["fwd_workspace_per_pack"] == 0
     # Rows are padded: one query row and a whole padded block take the same room.
-    assert plan(Sq=1, Hkv=8)["split_workspace_per_pack"] == plan(Sq=2, Hkv=8)[
-        "split_workspace_per_pack"]
+    assert plan(Sq=1, Hkv=8)["fwd_workspace_per_pack"] == plan(Sq=2, Hkv=8)[
+        "fwd_workspace_per_pack"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +189,7 @@ def test_packed_is_padded_with_packs():
     assert plan(Sq=300, pack_seqs=1, seqlen_q=300) == plan(Sq=300)
     limit = split_limit("bfloat16")
     hinted = plan(Sq=300, pack_seqs=5, seqlen_q=limit)
-    assert hinted["split_keys"] > 0 and hinted["split_workspace_per_pack"] > 0
+    assert hinted["split_keys"] > 0 and hinted["fwd_workspace_per_pack"] > 0
     assert plan(Sq=300, pack_seqs=5, seqlen_q=limit + 1)["split_keys"] == 0
 
 
@@ -258,7 +275,7 @@ def test_padded_lowering_carries_the_plans_workspaces(cuda_lowering, case, batch
     fwd = _custom_call_results(text, _ffi.CUDA_TARGET)
     bwd = _custom_call_results(text, _ffi.BWD_CUDA_TARGET)
     assert len(fwd) == 3 and len(bwd) == 5  # out, lse, workspace; grads, delta, workspace
-    assert fwd[-1] == f"tensor<{lead}x{p['split_workspace_per_pack']}xf32>"
+    assert fwd[-1] == f"tensor<{lead}x{p['fwd_workspace_per_pack']}xf32>"
     assert bwd[-1] == f"tensor<{lead}x{p['dq_workspace_per_pack']}xf32>"
     assert "split_keys" not in text  # the handler takes it from its own plan
 
@@ -278,7 +295,7 @@ def test_packed_lowering_carries_the_plans_workspaces(cuda_lowering, hints):
     assert (p["split_keys"] > 0) == hints
     fwd = _custom_call_results(text, _ffi.PACKED_CUDA_TARGET)
     bwd = _custom_call_results(text, _ffi.PACKED_BWD_CUDA_TARGET)
-    assert fwd[-1] == f"tensor<1x{p['split_workspace_per_pack']}xf32>"
+    assert fwd[-1] == f"tensor<1x{p['fwd_workspace_per_pack']}xf32>"
     assert bwd[-1] == f"tensor<1x{p['dq_workspace_per_pack']}xf32>"
 
 
@@ -301,7 +318,7 @@ def test_paged_plan_is_the_split_plan(page_size):
     paged = plan(Sq=1, Skv=extent, page_size=page_size)
     dense = plan(Sq=1, Skv=extent)
     assert paged["fwd_path"] == "sm80_split" and paged["split_keys"] == dense["split_keys"] > 0
-    assert paged["split_workspace_per_pack"] == dense["split_workspace_per_pack"]
+    assert paged["fwd_workspace_per_pack"] == dense["fwd_workspace_per_pack"]
     assert paged["dq_workspace_per_pack"] == 0 and paged["bwd_block_m"] == 0
 
 
@@ -324,8 +341,8 @@ def test_paged_plan_refuses_what_the_kernel_cannot_read(kw, got):
 
 def test_paged_chunks_on_hopper_are_a_switch(monkeypatch):
     """Paged calls with more than 16 queries per sequence: refused (paged_attention gathers)
-    unless JAX_VARLEN_PAGED_SM90=1, which plans them on the Hopper forward, in place, with no
-    workspace and no backward; an sm80 device still refuses them."""
+    unless JAX_VARLEN_PAGED_SM90=1, which plans them on the Hopper forward, in place, with only
+    the unit counter's workspace word and no backward; an sm80 device still refuses them."""
     monkeypatch.delenv("JAX_VARLEN_PAGED_SM90", raising=False)
     assert "the paged kernel" in _ffi.extension().plan(
         dtype="bfloat16", pack_seqs=1, pack_rows_q=64, pack_rows_k=640, seqlen_q=64, seqlen_k=640,
@@ -338,7 +355,7 @@ def test_paged_chunks_on_hopper_are_a_switch(monkeypatch):
     on9 = _ffi.extension().plan(**inputs, compute_major=9)
     if _ffi.extension().with_sm90:
         assert on9["unsupported"] == "" and on9["fwd_path"] == "sm90_one_pass"
-        assert (on9["split_workspace_per_pack"], on9["dq_workspace_per_pack"]) == (0, 0)
+        assert (on9["fwd_workspace_per_pack"], on9["dq_workspace_per_pack"]) == (1, 0)  # the unit counter
         assert "page_size 24" in _ffi.extension().plan(**{**inputs, "page_size": 24},
                                                        compute_major=9)["unsupported"]
     else:
@@ -357,7 +374,7 @@ def test_paged_and_sinks_lowerings_carry_the_plans_workspace(cuda_lowering):
     text = _export_for_cuda(jax_varlen.paged_attention, q, cache, cache, table, n)
     p = plan(Sq=1, Skv=max_pages * ps, H=H, Hkv=Hkv, D=D, page_size=ps)
     assert _custom_call_results(text, _ffi.PAGED_CUDA_TARGET)[-1] == \
-        f"tensor<{B}x{p['split_workspace_per_pack']}xf32>"
+        f"tensor<{B}x{p['fwd_workspace_per_pack']}xf32>"
 
     kv = jax.ShapeDtypeStruct((B, 300, Hkv, D), jnp.bfloat16)
     sinks = jax.ShapeDtypeStruct((H,), jnp.float32)
@@ -365,5 +382,5 @@ def test_paged_and_sinks_lowerings_carry_the_plans_workspace(cuda_lowering):
                             q, kv, kv, n, sinks)
     p = plan(Sq=1, Skv=300, H=H, Hkv=Hkv, D=D)
     assert _custom_call_results(text, _ffi.SINKS_CUDA_TARGET)[-1] == \
-        f"tensor<{B}x{p['split_workspace_per_pack']}xf32>"
+        f"tensor<{B}x{p['fwd_workspace_per_pack']}xf32>"
     assert f"custom_call @{_ffi.CUDA_TARGET}(" not in text

@@ -100,6 +100,10 @@ struct AttentionParams {
   // kBlockM rows of (query row, query head of the group) pairs, so a decode row costs one tile
   // per kv head instead of one per query head and its keys are read once per group.
   bool pack_gqa = false;
+  // Dynamic units (the Hopper forward; the plan sets it): units handed out in the list's order by
+  // an atomic counter, workspace's first int32 (zeroed before the launch), instead of the
+  // static snake over the persistent grid.
+  bool dynamic_units = false;
 
   float scale;    // multiplies <q, k>
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)

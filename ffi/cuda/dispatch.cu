@@ -127,7 +127,7 @@ namespace {
 // The last launch (launch_record.h), one word per field; relaxed: a test reads it after the call.
 std::atomic<int> last_fwd_path{-1}, last_bwd_path{-1};
 std::atomic<int64_t> last_split_keys{0};
-std::atomic<bool> last_paged{false}, last_pack_gqa{false};
+std::atomic<bool> last_paged{false}, last_pack_gqa{false}, last_dynamic_units{false};
 }  // namespace
 
 LaunchRecord last_launch() {
@@ -137,6 +137,7 @@ LaunchRecord last_launch() {
   r.split_keys = last_split_keys.load(std::memory_order_relaxed);
   r.paged = last_paged.load(std::memory_order_relaxed);
   r.pack_gqa = last_pack_gqa.load(std::memory_order_relaxed);
+  r.dynamic_units = last_dynamic_units.load(std::memory_order_relaxed);
   return r;
 }
 
@@ -165,6 +166,8 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   last_split_keys.store(path == FwdPath::kSm80Split ? p.split_keys : 0, std::memory_order_relaxed);
   last_paged.store(p.block_table != nullptr, std::memory_order_relaxed);
   last_pack_gqa.store(path == FwdPath::kSm90OnePass && p.pack_gqa, std::memory_order_relaxed);
+  last_dynamic_units.store(path == FwdPath::kSm90OnePass && p.dynamic_units && p.block_table == nullptr,
+                           std::memory_order_relaxed);
   if (p.cu_seqlens_q != nullptr) {
     const cudaError_t err = run_packed_fill(p, stream);
     if (err != cudaSuccess) return err;

@@ -15,6 +15,7 @@ struct LaunchRecord {
   int64_t split_keys = 0;
   bool paged = false;
   bool pack_gqa = false;  // the Hopper forward could pack query heads (Plan::pack_gqa)
+  bool dynamic_units = false;  // the Hopper forward took its units from a counter
 };
 LaunchRecord last_launch();
 

@@ -55,10 +55,14 @@ struct Plan {
   int bucket = 0;  // index into cuda::kHeadDimBuckets: the first bucket that holds max(D, Dv)
   FwdPath fwd_path = FwdPath::kPortable;
   BwdPath bwd_path = BwdPath::kPortable;
-  // Split-KV: keys per chunk (0: the one-pass kernels) and the workspace, float32 elements per
-  // pack (layout: params.h; 0 without split-KV).
+  // Split-KV: keys per chunk (0: the one-pass kernels). The forward's workspace, float32
+  // elements per pack: split-KV's partials (layout: params.h), else one word for the Hopper
+  // forward's unit counter (dynamic units) wherever an sm_90 device could take the call, else 0.
   int64_t split_keys = 0;
-  int64_t split_workspace_per_pack = 0;
+  int64_t fwd_workspace_per_pack = 0;
+  // The Hopper forward hands out its units by an atomic counter (fwd_sm90.cuh) instead of the
+  // static snake: JAX_VARLEN_DYNAMIC_UNITS=1 while it is unverified on a GPU.
+  bool dynamic_units = false;
   // Pack-GQA on the Hopper forward (params.h): the call may pack the query heads of a kv-head
   // group into one tile for its short sequences (JAX_VARLEN_PACK_GQA=0 turns it off, to compare);
   // it sizes no workspace.
@@ -80,13 +84,15 @@ struct Plan {
 
 // Runtime switches (benchmarks/NOTES.md), environment variables read when a call is planned:
 // JAX_VARLEN_PACK_GQA=0 turns Plan::pack_gqa off (on by default); JAX_VARLEN_PAGED_SM90=1 lets
-// paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward.
+// paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward;
+// JAX_VARLEN_DYNAMIC_UNITS=1: Plan::dynamic_units.
 inline bool switch_is(const char* name, char value) {
   const char* v = std::getenv(name);
   return v != nullptr && v[0] == value && v[1] == '\0';
 }
 inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
 inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
+inline bool dynamic_units_enabled() { return switch_is("JAX_VARLEN_DYNAMIC_UNITS", '1'); }
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
 // lowering cannot see the device, and an exported call may run on any build. A device or build
@@ -140,16 +146,19 @@ inline Plan make_plan(const PlanInputs& in) {
   // GPU where a one-pass grid would have a block or two per sequence.
   if (tensor_core_shapes && in.seqlen_q <= c::kSplitMaxSeqlenQ) {
     plan.split_keys = c::kSplitKeys;
-    plan.split_workspace_per_pack =
+    plan.fwd_workspace_per_pack =
         in.pack_seqs * c::split_partials_per_seq(in.seqlen_q, in.seqlen_k, in.num_heads, in.kv_num_heads,
                                                  plan.split_keys) *
         (in.head_dim_v + 1);  // o_part [.., head_dim_v], then lse_part
+  } else if (tensor_core_shapes && sm90_extents) {
+    plan.fwd_workspace_per_pack = 1;  // the unit counter (an int32 in pack 0's word)
   }
   if (!tensor_cores) plan.fwd_path = FwdPath::kPortable;
   else if (plan.split_keys > 0) plan.fwd_path = FwdPath::kSm80Split;
   else if (hopper && sm90_extents) plan.fwd_path = FwdPath::kSm90OnePass;
   else plan.fwd_path = FwdPath::kSm80OnePass;
   plan.pack_gqa = plan.fwd_path == FwdPath::kSm90OnePass && in.num_heads > in.kv_num_heads && pack_gqa_enabled();
+  plan.dynamic_units = plan.fwd_path == FwdPath::kSm90OnePass && in.page_size == 0 && dynamic_units_enabled();
 
   // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim and needs a query row;
   // its dQ workspace is sized whenever an sm_90 device could take the call.

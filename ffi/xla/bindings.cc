@@ -114,7 +114,8 @@ NB_MODULE(_jax_varlen, m) {
         d["fwd_path"] = path_name(plan.fwd_path);       // dispatch.cu's row, before alignment
         d["bwd_path"] = path_name(plan.bwd_path);
         d["split_keys"] = plan.split_keys;              // 0: one pass
-        d["split_workspace_per_pack"] = plan.split_workspace_per_pack;
+        d["fwd_workspace_per_pack"] = plan.fwd_workspace_per_pack;
+        d["dynamic_units"] = plan.dynamic_units;         // Hopper forward: a unit counter (JAX_VARLEN_DYNAMIC_UNITS)
         d["pack_gqa"] = plan.pack_gqa;                  // Hopper forward: query heads packed (JAX_VARLEN_PACK_GQA)
         d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
         d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
@@ -136,6 +137,7 @@ NB_MODULE(_jax_varlen, m) {
     d["split_keys"] = r.split_keys;
     d["paged"] = r.paged;  // the forward read a paged cache in place
     d["pack_gqa"] = r.pack_gqa;  // the Hopper forward could pack query heads
+    d["dynamic_units"] = r.dynamic_units;  // the Hopper forward's units came from a counter
     return d;
 #else
     return nb::none();

@@ -42,13 +42,14 @@ ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
   AttentionParams& p = *params;
   const auto plan = plan_call(p);
   if (!plan) return plan.error();
-  if (auto err = check_workspace("the split-KV workspace", workspace->element_count(), p.num_packs,
-                                 plan->split_workspace_per_pack);
+  if (auto err = check_workspace("the forward's workspace", workspace->element_count(), p.num_packs,
+                                 plan->fwd_workspace_per_pack);
       err.failure())
     return err;
   p.workspace = workspace->typed_data();
   p.split_keys = plan->split_keys;
   p.pack_gqa = plan->pack_gqa;
+  p.dynamic_units = plan->dynamic_units;
   if (p.num_packs * p.pack_rows_q == 0 || p.num_heads == 0) return ffi::Error::Success();  // no output
   const cudaError_t err = cuda::run_fwd(p, *plan, stream);
   if (err != cudaSuccess)

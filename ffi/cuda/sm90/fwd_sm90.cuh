@@ -116,6 +116,8 @@ struct alignas(1024) SharedStorage {
   uint64_t full_k[Tr::kStages], full_v[Tr::kStages];    // producer -> consumers: tile landed
   uint64_t empty_k[Tr::kStages], empty_v[Tr::kStages];  // consumers -> producer: stage free
   uint64_t full_q, empty_q;
+  uint64_t unit_full[2], unit_empty[2];  // dynamic units: the producer's hand-over ring (UnitSource)
+  int32_t next_unit[2];
   typename Tr::Scheduler::SharedStorage sched;  // the batch's heaviest-first order
 };
 
@@ -133,7 +135,49 @@ struct KernelParams {
 // 1 and 2 are the consumers.
 enum class FwdRole { kProducer, kConsumer };
 
-template <typename Tr, bool kSoftcap, bool kPaged>
+// Where each role's r-th unit comes from. Static: the scheduler's snake (unit_of_round), which
+// both roles compute alike. Dynamic (params.h, dynamic_units): the producer's lane 0 takes the
+// next unit of the list from an atomic counter (the workspace's first word, zeroed before the
+// launch) -- a CTA that finishes early takes more, so no SM idles while others walk long units
+// -- and hands it to the consumers through a two-entry ring in shared memory (next_unit, on the
+// unit_full / unit_empty mbarriers). Either way a unit is computed whole by one CTA in the same
+// way, so results stay bitwise deterministic and batch invariant; only the placement changes.
+template <typename Tr, bool kDynamic>
+struct UnitSource {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using Sched = typename Tr::Scheduler;
+  // Everything is read where it is used (kernel parameters, shared memory): no register stays
+  // live across a unit for it. A kernel of its own (kDynamic): the static kernels' producer
+  // keeps its 24 registers to the snake.
+  // The producer warp's r-th unit, or -1 past the end (every lane).
+  static __device__ int producer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r) {
+    if constexpr (!kDynamic) return Sched::unit_of_round(r, num_units);
+    const int slot = r & 1;
+    Barrier::wait(&ss.unit_empty[slot], ((r >> 1) & 1) ^ 1);
+    int u = -1;
+    if (threadIdx.x == 0) {
+      const int taken = atomicAdd(reinterpret_cast<int*>(kp.p.workspace), 1);
+      u = taken < num_units ? taken : -1;
+      ss.next_unit[slot] = u;
+      Barrier::arrive(&ss.unit_full[slot]);  // release: next_unit is visible to the waiters
+    }
+    return __shfl_sync(0xffffffff, u, 0);
+  }
+  // A consumer thread's r-th unit, or -1 past the end.
+  static __device__ int consumer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r) {
+    if constexpr (!kDynamic) return Sched::unit_of_round(r, num_units);
+    const int slot = r & 1;
+    Barrier::wait(&ss.unit_full[slot], (r >> 1) & 1);
+    const int u = ss.next_unit[slot];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) Barrier::arrive(&ss.unit_empty[slot]);
+    return u;
+  }
+};
+
+// kPaged: K and V gathered from a paged cache (fwd_load.h); kDynamic: units from the counter
+// (UnitSource; never with kPaged).
+template <typename Tr, bool kSoftcap, bool kPaged, bool kDynamic>
 __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_constant__ KernelParams<Tr> kp) {
   using Element = typename Tr::Element;
   using Sched = typename Tr::Scheduler;
@@ -154,11 +198,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     }
     Barrier::init(&ss.full_q, 1);
     Barrier::init(&ss.empty_q, Tr::kConsumerWarps);
+    for (int s = 0; s < 2; ++s) {
+      Barrier::init(&ss.unit_full[s], 1);
+      Barrier::init(&ss.unit_empty[s], Tr::kConsumerWarps);
+    }
     cutlass::arch::fence_barrier_init();
   }
   Sched::sort_sequences(p, ss.sched);
   __syncthreads();
   const int num_units = Sched::num_units(p, kp.num_units, ss.sched);  // work-proportional
+  using Units = UnitSource<Tr, kDynamic>;
 
   const FwdRole role = threadIdx.x < 128 ? FwdRole::kProducer : FwdRole::kConsumer;
   if (role == FwdRole::kProducer) {
@@ -168,7 +217,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     PipelineState<Tr::kStages> pipe;
     int q_iter = 0;
     for (int r = 0;; ++r) {
-      const int u = Sched::unit_of_round(r, num_units);
+      const int u = Units::producer_next(kp, ss, num_units, r);
       if (u < 0) break;
       const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
       if (w.n_tiles == 0) continue;  // no row may see a key: the consumers write zeros
@@ -185,7 +234,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   PipelineState<Tr::kStages> pipe;
   int q_iter = 0;
   for (int r = 0;; ++r) {
-    const int u = Sched::unit_of_round(r, num_units);
+    const int u = Units::consumer_next(kp, ss, num_units, r);
     if (u < 0) break;
     const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
     const FwdRows rows = mainloop.thread_rows(p, w);
@@ -229,11 +278,21 @@ cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   kp.num_units = int(units);
   const int grid = kp.num_units < sm_count() ? kp.num_units : sm_count();
   const bool paged = p.block_table != nullptr;  // pages gathered by the producer warps (fwd_load.h)
-  auto kernel = p.softcap > 0.0f ? (paged ? fwd_sm90_kernel<Tr, true, true> : fwd_sm90_kernel<Tr, true, false>)
-                                 : (paged ? fwd_sm90_kernel<Tr, false, true> : fwd_sm90_kernel<Tr, false, false>);
+  const bool dynamic = p.dynamic_units && !paged;
+  auto pick = [&](auto softcap) {
+    constexpr bool kSoftcap = decltype(softcap)::value;
+    return paged ? fwd_sm90_kernel<Tr, kSoftcap, true, false>
+                 : (dynamic ? fwd_sm90_kernel<Tr, kSoftcap, false, true> : fwd_sm90_kernel<Tr, kSoftcap, false, false>);
+  };
+  auto kernel = p.softcap > 0.0f ? pick(std::true_type{}) : pick(std::false_type{});
   constexpr size_t kSmem = sizeof(SharedStorage<Tr>);
+  static_assert(kSmem <= 227 * 1024, "shared memory of one sm_90 CTA");
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (err != cudaSuccess) return err;
+  if (dynamic) {  // the unit counter (UnitSource) starts at 0 (a memset node under capture)
+    err = cudaMemsetAsync(p.workspace, 0, sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+  }
   kernel<<<grid, Tr::kThreads, kSmem, stream>>>(kp);
   return cudaGetLastError();
 }
