@@ -92,7 +92,8 @@ struct AttentionParams {
   // blocks (plan/limits.h):
   //   o_part   [batch, kv_num_heads, max_splits, rows_pad, head_dim_v] fp32
   //   lse_part [batch, kv_num_heads, max_splits, rows_pad] fp32, right after o_part
-  // (indices: cuda/sm80/split_layout.h).
+  // (indices: cuda/sm80/split_layout.h). Without split-KV, the Hopper forward's unit counter
+  // (dynamic_units below) is the workspace's first word, read as an int32.
   float* workspace;
   int64_t split_keys;
   // Pack-GQA (the Hopper forward; the plan sets it, plan/plan.h): a sequence of the packed list
