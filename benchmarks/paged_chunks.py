@@ -10,24 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_varlen
-
-
-def timed(f, *args, reps=20):
-    """Median wall time (ms) of ``reps`` calls after one warm-up."""
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+from jax_varlen.__main__ import median_ms  # the demo's timer: median of runs after warm-up
 
 
 def main():
@@ -76,7 +65,7 @@ def main():
         out = np.asarray(f(*args), np.float32)
         err = 0.0 if ref is None else float(np.max(np.abs(out - ref)))
         ref = out if ref is None else ref
-        ms = timed(f, *args)
+        ms = median_ms(f, *args, iters=20)
         ran = jax_varlen._ffi.extension().last_launch() or {}  # None without CUDA
         kernel = f"{ran.get('fwd_path')}{', paged' if ran.get('paged') else ''}" if ran else "cpu"
         results.append((name, ms, flops / ms / 1e9, err, kernel))

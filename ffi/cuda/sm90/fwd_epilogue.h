@@ -50,28 +50,18 @@ struct FwdEpilogue {
   }
 
   // Unit w has no tile: no row of the unit sees a key: zero rows (16-byte stores), lse = -inf
-  // (or the sink's logit). Tile row i is query row (row_base + i) / heads of head
-  // h + (row_base + i) % heads (Unit::heads).
+  // (or the sink's logit); each tile row's query row and head from Unit::row_head.
   __device__ __forceinline__ void store_zeros(const Unit& w, const FwdUnitOut<Element>& dst) const {
     const int64_t row_base = int64_t(w.m_block) * kBlockM;
     const int chunks = int(p.head_dim_v / 8);
-    auto row_head = [&](int i, int64_t& row, int& dh) {  // query row and head offset of tile row i
-      const int64_t t = row_base + i;
-      row = w.heads == 1 ? t : int(t) / w.heads;
-      dh = w.heads == 1 ? 0 : int(t) % w.heads;
-    };
     for (int idx = ct; idx < w.rows * chunks; idx += Tr::kConsumerThreads) {
-      int64_t row;
-      int dh;
-      row_head(idx / chunks, row, dh);
-      *reinterpret_cast<uint4*>(dst.out + row * p.out_row_stride + dh * p.out_head_stride + (idx % chunks) * 8) =
+      const Unit::RowHead at = w.row_head(row_base + idx / chunks);
+      *reinterpret_cast<uint4*>(dst.out + at.row * p.out_row_stride + at.dh * p.out_head_stride + (idx % chunks) * 8) =
           make_uint4(0, 0, 0, 0);
     }
     for (int i = ct; i < w.rows; i += Tr::kConsumerThreads) {
-      int64_t row;
-      int dh;
-      row_head(i, row, dh);
-      dst.lse[dh * dst.lse_head_stride + row] = empty_row_lse(p, w.h + dh);
+      const Unit::RowHead at = w.row_head(row_base + i);
+      dst.lse[at.dh * dst.lse_head_stride + at.row] = empty_row_lse(p, w.h + at.dh);
     }
   }
 
@@ -87,9 +77,9 @@ struct FwdEpilogue {
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       if (r.row_of[rr] >= w.len_q) continue;
-      // The row's head: h, or h + its tile row % heads in a pack-GQA unit (FwdRows); the tile
-      // row of the wgmma accumulator layout: 16 rows per warp, lane / 4, + 8 for rr = 1.
-      const int dh = w.heads == 1 ? 0 : (w.m_block * kBlockM + ct / 32 * 16 + lane / 4 + 8 * rr) % w.heads;
+      // The row's head (Unit::row_head) from its tile row in the wgmma accumulator layout: 16
+      // rows per warp, lane / 4, + 8 for rr = 1.
+      const int dh = w.row_head(int64_t(w.m_block) * kBlockM + ct / 32 * 16 + lane / 4 + 8 * rr).dh;
       const int head = w.h + dh;
       const bool any = r.limit[rr] > r.first[rr];
       const RowFinish fin =  // core/sinks.h: 1 / l and lse, with the sink in the denominator

@@ -164,23 +164,22 @@ struct FwdLoad {
     }
   }
 
-  // The Q tile of a pack-GQA unit (w.heads > 1): tile row i is query row (row0 + i) / heads of
-  // head h + (row0 + i) % heads, row0 = m_block * kBlockM; 16-byte cp.async chunks (all lanes,
-  // 2 rows per pass), zero-filled past the unit's rows and past head_dim (as TMA fills them),
-  // into the same swizzled layout TMA writes. Completed by finish_q_packed.
+  // The Q tile of a pack-GQA unit (w.heads > 1), each tile row's query row and head from
+  // Unit::row_head; 16-byte cp.async chunks (all lanes, 2 rows per pass), zero-filled past the
+  // unit's rows and past head_dim (as TMA fills them), into the same swizzled layout TMA
+  // writes. Completed by finish_q_packed.
   __device__ void load_q_packed(const Unit& w) const {
     constexpr int kChunks = kHeadDim / 8;
     const AttentionParams& p = kp.p;
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
     const Element* q = static_cast<const Element*>(p.q) + int64_t(w.pack) * p.q_batch_stride +
                        int64_t(w.q_start) * p.q_row_stride + int64_t(w.h) * p.q_head_stride;
-    const int row0 = w.m_block * kBlockM;
+    const int64_t row0 = int64_t(w.m_block) * kBlockM;
     for (int idx = threadIdx.x % 32; idx < kBlockM * kChunks; idx += 32) {
       const int i = idx / kChunks, col = idx % kChunks * 8;
       const bool real = i < w.rows && col < p.head_dim;
-      const int r = row0 + i;
-      cp_async_16(&sQ(i, col), real ? q + int64_t(r / w.heads) * p.q_row_stride + (r % w.heads) * p.q_head_stride + col : q,
-                  real);
+      const Unit::RowHead at = w.row_head(row0 + i);
+      cp_async_16(&sQ(i, col), real ? q + at.row * p.q_row_stride + at.dh * p.q_head_stride + col : q, real);
     }
   }
   // The packed Q tile has landed: made visible to wgmma (the async proxy), then full_q. (A

@@ -91,10 +91,10 @@ __device__ __forceinline__ void rescale_rows(float* o, const float (&alpha)[2]) 
   for (int i = 0; i < kN; ++i) o[i] *= alpha[(i / 2) & 1];
 }
 
-// This thread's two rows of a unit (tile rows get<0>(cS(0)) and + 8): their query rows and
-// their allowed keys [first, limit) (mask.h, key_range; empty for rows past the sequence). A
-// pack-GQA unit's tile row i is query row (m_block * kBlockM + i) / heads (Unit::heads); the
-// epilogue derives the head of each (not kept here: registers across the mainloop).
+// This thread's two rows of a unit (tile rows get<0>(cS(0)) and + 8): their query rows
+// (Unit::row_head) and their allowed keys [first, limit) (mask.h, key_range; empty for rows past
+// the sequence). The epilogue derives each row's head (not kept here: registers across the
+// mainloop).
 struct FwdRows {
   int first[2], limit[2];
   int row_of[2];  // query rows of the sequence (len_q for tile rows past it: never stored)
@@ -180,9 +180,8 @@ struct FwdMma {
     FwdRows r;
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      const int64_t tile_row = row_base + get<0>(cS(2 * rr));
-      // A packed unit's tile rows are few (fewer than kBlockM * group): 32-bit division.
-      r.row_of[rr] = w.heads == 1 ? int(tile_row < w.len_q ? tile_row : w.len_q) : int(tile_row) / w.heads;
+      const int64_t row = w.row_head(row_base + get<0>(cS(2 * rr))).row;
+      r.row_of[rr] = int(row < w.len_q ? row : w.len_q);
       const Range keys = r.row_of[rr] < w.len_q ? key_range(p.mask(), r.row_of[rr], w.n, w.len_q) : Range{0, 0};
       r.first[rr] = int(keys.begin);
       r.limit[rr] = int(keys.end);

@@ -47,6 +47,18 @@ struct Unit {
   int key_end;    // end of the last row's keys: key tiles at or past it are never loaded
   int n_tiles;    // ceil(key_end / kBlockN): one past the last tile
   int t_begin;    // the first row's first key / kBlockN: tiles below it are never loaded
+
+  // Tile row `tile_row` of the sequence's tile rows (m_block * kBlockM + i for row i of the
+  // unit's tile): its query row and its head's offset from h. A pack-GQA unit's tile rows are
+  // few (under kBlockM * group): 32-bit division there.
+  struct RowHead {
+    int64_t row;
+    int dh;
+  };
+  __device__ __forceinline__ RowHead row_head(int64_t tile_row) const {
+    if (heads == 1) return {tile_row, 0};
+    return {int(tile_row) / heads, int(tile_row) % heads};
+  }
 };
 
 // kBlockM query rows per unit, kBlockN keys per tile (Unit's tile bounds), kThreads threads per
@@ -77,8 +89,9 @@ struct HeaviestFirstScheduler {
 
   // Sequences sorted by clamped length, descending, ties by index: order[rank] = b, and
   // sorted_len[rank] = n_b (padded) or first_unit[rank] = the units of the ranks before
-  // (num_heads / heads * ceil(len_q * heads / kBlockM) each) and packed_units (packed). All threads; sorted_len holds the lengths by b while
-  // ranking. The caller syncs the CTA before reading them.
+  // (num_heads / heads * ceil(len_q * heads / kBlockM) each) and packed_units (packed). All
+  // threads; sorted_len holds the lengths by b while ranking. The caller syncs the CTA before
+  // reading them.
   static __device__ void sort_sequences(const AttentionParams& p, SharedStorage& ss) {
     const int batch = int(p.batch);
     if (batch > kMaxSortedBatch) return;
@@ -108,9 +121,9 @@ struct HeaviestFirstScheduler {
         if (packed) {  // its units, summed below
           const int len_q = int(SeqlenInfo(p, b).seqlen_q), heads = heads_of(p, len_q);
           ss.first_unit[rank[i]] = int(p.num_heads) / heads * ((len_q * heads + kBlockM - 1) / kBlockM);
-        }
-        else
+        } else {
           ss.sorted_len[rank[i]] = len[i];
+        }
       }
     }
     if (!packed) return;
@@ -197,8 +210,8 @@ struct HeaviestFirstScheduler {
     const int row0 = w.m_block * kBlockM;
     w.rows = tile_rows - row0 < kBlockM ? tile_rows - row0 : kBlockM;
     // The unit's query rows: from its first tile row's to its last's.
-    const Range first = key_range(p.mask(), row0 / w.heads, w.n, w.len_q);
-    const Range last = key_range(p.mask(), (row0 + w.rows - 1) / w.heads, w.n, w.len_q);
+    const Range first = key_range(p.mask(), w.row_head(row0).row, w.n, w.len_q);
+    const Range last = key_range(p.mask(), w.row_head(row0 + w.rows - 1).row, w.n, w.len_q);
     w.min_limit = int(first.end);
     w.max_first = int(last.begin);
     w.key_end = int(last.end);
