@@ -176,9 +176,9 @@ inline Plan make_plan(const PlanInputs& in) {
   else plan.bwd_path = BwdPath::kSm80;
 
   // Paged keys: the split-KV kernel reads pages in place (limits.h, kPagedRun), and the Hopper
-  // forward too when JAX_VARLEN_PAGED_SM90=1 (longer queries: chunked prefill; its kernel side is
-  // unverified on a GPU until then). A paged call has no backward (forward only: no dQ
-  // workspace).
+  // forward too when JAX_VARLEN_PAGED_SM90=1 (longer queries: chunked prefill; correct on an
+  // H100 but 2.6x slower than gathering the pages first, benchmarks/NOTES.md, hence opt-in). A
+  // paged call has no backward (forward only: no dQ workspace).
   if (in.page_size != 0) {
     const bool reads_pages = plan.fwd_path == FwdPath::kSm80Split ||
                              (plan.fwd_path == FwdPath::kSm90OnePass && paged_sm90_enabled());
