@@ -260,10 +260,10 @@ def test_pack_gqa_serving_step(monkeypatch, case):
 
 @pytest.mark.parametrize("layout", ["packed-serving-step", "padded-causal"])
 def test_dynamic_units_change_no_bit(monkeypatch, layout):
-    """Dynamic units (JAX_VARLEN_DYNAMIC_UNITS=1, fwd_sm90.cuh UnitSource: a work counter in
-    the forward's workspace instead of the static snake) move units between CTAs, never what a
-    unit computes: out and lse bitwise equal to the static schedule's, run after run (the
-    counter is zeroed before every launch), and the launch says which ran."""
+    """Dynamic units (the default; fwd_sm90.cuh UnitSource: a work counter in the forward's
+    workspace instead of the static snake, which JAX_VARLEN_DYNAMIC_UNITS=0 restores) move units
+    between CTAs, never what a unit computes: out and lse bitwise equal to the static schedule's,
+    run after run (the counter is zeroed before every launch), and the launch says which ran."""
     _hopper()
     if layout == "packed-serving-step":
         rng = np.random.default_rng(23)
@@ -277,10 +277,10 @@ def test_dynamic_units_change_no_bit(monkeypatch, layout):
         q, k, v, n = make_inputs(4, 1000, 1000, 8, 2, 64, 64, jnp.bfloat16, [1000, 3, 517, 0])
         make = lambda: jax.jit(lambda *a: jax_varlen.attention(*a, return_lse=True, is_causal=True))  # noqa: E731
         args = (q, k, v, n)
-    monkeypatch.delenv("JAX_VARLEN_DYNAMIC_UNITS", raising=False)
+    monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "0")
     static = make()(*args)
     assert not jax_varlen._ffi.extension().last_launch()["dynamic_units"]
-    monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "1")
+    monkeypatch.delenv("JAX_VARLEN_DYNAMIC_UNITS")
     f = make()
     for _ in range(3):
         out, lse = f(*args)

@@ -78,19 +78,20 @@ def test_portable_calls_take_no_workspace(case):
 
 def test_one_pass_workspace_is_the_unit_counter(monkeypatch):
     """Calls the Hopper forward could take get one word per pack for its unit counter (dynamic
-    units), whatever the device, the build and the switch; portable calls none. The switch
-    (JAX_VARLEN_DYNAMIC_UNITS=1) sets the plan's dynamic_units on the Hopper path only, never
-    for a paged call."""
+    units), whatever the device, the build and the switch; portable calls none. Dynamic units
+    are the Hopper path's default, never another path's nor a paged call's;
+    JAX_VARLEN_DYNAMIC_UNITS=0 turns them off (the workspace stays)."""
     monkeypatch.delenv("JAX_VARLEN_DYNAMIC_UNITS", raising=False)
     for major in (0, 8, 9):
         p = plan(Sq=300, compute_major=major)
-        assert p["fwd_workspace_per_pack"] == 1 and not p["dynamic_units"]
+        assert p["fwd_workspace_per_pack"] == 1
+        assert p["dynamic_units"] == (major == 9 and _ffi.extension().with_sm90)
     assert plan(Sq=300, dtype="float32")["fwd_workspace_per_pack"] == 0
     assert plan(Sq=300, Skv=0)["fwd_workspace_per_pack"] == 0  # no key row: never the Hopper path
-    monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "1")
-    assert plan(Sq=300, compute_major=9)["dynamic_units"] == _ffi.extension().with_sm90
-    assert not plan(Sq=300, compute_major=8)["dynamic_units"]
     assert not plan(Sq=4, compute_major=9)["dynamic_units"]  # split-KV
+    monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "0")
+    p = plan(Sq=300, compute_major=9)
+    assert not p["dynamic_units"] and p["fwd_workspace_per_pack"] == 1
 
 
 def test_split_workspace_size():

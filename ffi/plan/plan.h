@@ -61,7 +61,8 @@ struct Plan {
   int64_t split_keys = 0;
   int64_t fwd_workspace_per_pack = 0;
   // The Hopper forward hands out its units by an atomic counter (fwd_sm90.cuh) instead of the
-  // static snake: JAX_VARLEN_DYNAMIC_UNITS=1 while it is unverified on a GPU.
+  // static snake (on by default: +15% on mixed-serve, H100; JAX_VARLEN_DYNAMIC_UNITS=0 turns it
+  // off, to compare).
   bool dynamic_units = false;
   // Pack-GQA on the Hopper forward (params.h): the call may pack the query heads of a kv-head
   // group into one tile for its short sequences (JAX_VARLEN_PACK_GQA=0 turns it off, to compare);
@@ -85,14 +86,14 @@ struct Plan {
 // Runtime switches (benchmarks/NOTES.md), environment variables read when a call is planned:
 // JAX_VARLEN_PACK_GQA=0 turns Plan::pack_gqa off (on by default); JAX_VARLEN_PAGED_SM90=1 lets
 // paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward;
-// JAX_VARLEN_DYNAMIC_UNITS=1: Plan::dynamic_units.
+// JAX_VARLEN_DYNAMIC_UNITS=0 turns Plan::dynamic_units off (on by default).
 inline bool switch_is(const char* name, char value) {
   const char* v = std::getenv(name);
   return v != nullptr && v[0] == value && v[1] == '\0';
 }
 inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
 inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
-inline bool dynamic_units_enabled() { return switch_is("JAX_VARLEN_DYNAMIC_UNITS", '1'); }
+inline bool dynamic_units_enabled() { return !switch_is("JAX_VARLEN_DYNAMIC_UNITS", '0'); }
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
 // lowering cannot see the device, and an exported call may run on any build. A device or build
