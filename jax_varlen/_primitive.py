@@ -223,7 +223,9 @@ def cuda_plan(avals_in, config: AttentionConfig) -> dict:
         plan = _ffi.extension().plan(
             dtype=jnp.dtype(query.dtype).name, pack_seqs=seqs, pack_rows_q=pack_rows_q,
             pack_rows_k=pack_rows_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads,
-            kv_num_heads=kv_num_heads, head_dim=head_dim, head_dim_v=head_dim_v)
+            kv_num_heads=kv_num_heads, head_dim=head_dim, head_dim_v=head_dim_v,
+            is_causal=config.is_causal, window_left=config.window_left,
+            window_right=config.window_right)
         if plan["unsupported"]:
             raise ValueError(plan["unsupported"])
         return plan

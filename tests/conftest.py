@@ -163,7 +163,7 @@ def assert_padding_never_leaks(B, Sq, Skv, H, Hkv, D, Dv, dtype, lengths, **kw):
 # Oracle and tolerances.
 
 
-_STATIC = ("num_heads", "kv_num_heads", "scale", "is_causal", "softcap", "return_lse")
+_STATIC = ("num_heads", "kv_num_heads", "scale", "is_causal", "softcap", "local_window_size", "return_lse")
 
 
 @functools.cache

@@ -68,6 +68,21 @@ def test_many_units_per_cta(head_dim, causal):
     check_against_oracle(q, k, v, n, is_causal=causal)
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "causal-window", "softcap-causal"])
+def test_key_tile_of_the_band(mask):
+    """At head dim 128 a banded call (causal or a local window) runs the 128-key tile, an
+    unmasked one the 176-key tile (plan/limits.h, fwd_sm90_block_n; the launch says which):
+    both against the oracle, on ragged lengths whose diagonals and window edges fall mid-tile
+    in either width, over several units per CTA."""
+    _hopper()
+    kw = {"none": {}, "causal": dict(is_causal=True), "window": dict(local_window_size=(300, 77)),
+          "causal-window": dict(is_causal=True, local_window_size=(413, 0)),
+          "softcap-causal": dict(is_causal=True, softcap=20.0)}[mask]
+    q, k, v, n = make_inputs(3, 1100, 1500, 16, 4, 128, 128, jnp.bfloat16, [1500, 701, 133], seed=5)
+    check_against_oracle(q, k, v, n, **kw)
+    assert jax_varlen._ffi.extension().last_launch()["fwd_block_n"] == (176 if mask == "none" else 128)
+
+
 def test_batch_past_the_sorted_limit():
     """More sequences than the kernel sorts in shared memory: they keep their own order."""
     _hopper()

@@ -94,6 +94,30 @@ def test_one_pass_workspace_is_the_unit_counter(monkeypatch):
     assert not p["dynamic_units"] and p["fwd_workspace_per_pack"] == 1
 
 
+def test_hopper_key_tile_follows_the_band(monkeypatch):
+    """The Hopper forward's keys per tile (fwd_block_n): the bucket's widest (128, 176, 80 at
+    64, 128, 256) for an unmasked call; at bucket 128 a banded one -- causal, or any side of a
+    local window -- takes 128, which lines up with the 128-row query tile. No workspace changes
+    with it; other paths say 0; a paged call keeps the widest."""
+    if not _ffi.extension().with_sm90:
+        assert plan(Sq=300, compute_major=9, is_causal=True)["fwd_block_n"] == 0
+        return
+    widest = {64: 128, 128: 176, 256: 80}
+    for D, w in widest.items():
+        assert plan(Sq=300, D=D, compute_major=9)["fwd_block_n"] == w
+        for band in (dict(is_causal=True), dict(window_left=100), dict(window_right=0),
+                     dict(is_causal=True, window_left=4096, window_right=0)):
+            p = plan(Sq=300, D=D, compute_major=9, **band)
+            assert p["fwd_block_n"] == (128 if D == 128 else w), (D, band)
+            assert workspaces(p) == workspaces(plan(Sq=300, D=D, compute_major=9))
+    assert plan(Sq=300, D=100, Dv=72, compute_major=9, is_causal=True)["fwd_block_n"] == 128  # bucket 128
+    assert plan(Sq=300, compute_major=8, is_causal=True)["fwd_block_n"] == 0
+    assert plan(Sq=4, compute_major=9, is_causal=True)["fwd_block_n"] == 0  # split-KV
+    assert plan(Sq=300, dtype="float32", compute_major=9, is_causal=True)["fwd_block_n"] == 0
+    monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
+    assert plan(Sq=300, Skv=2048, page_size=64, compute_major=9, is_causal=True)["fwd_block_n"] == 176
+
+
 def test_split_workspace_size():
     """One float32 partial per (sequence, kv head, chunk of keys, padded query row), each
     head_dim_v + 1 floats (output and lse): a second chunk doubles it, a sequence more in the

@@ -105,6 +105,9 @@ struct AttentionParams {
   // an atomic counter, workspace's first int32 (zeroed before the launch), instead of the
   // static snake over the persistent grid.
   bool dynamic_units = false;
+  // The Hopper forward's keys per tile (the plan sets it: limits.h, fwd_sm90_block_n); it
+  // launches the kernel compiled for it, or fails.
+  int fwd_block_n = 0;
 
   float scale;    // multiplies <q, k>
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)

@@ -128,6 +128,7 @@ namespace {
 std::atomic<int> last_fwd_path{-1}, last_bwd_path{-1};
 std::atomic<int64_t> last_split_keys{0};
 std::atomic<bool> last_paged{false}, last_pack_gqa{false}, last_dynamic_units{false};
+std::atomic<int> last_fwd_block_n{0};
 }  // namespace
 
 LaunchRecord last_launch() {
@@ -138,6 +139,7 @@ LaunchRecord last_launch() {
   r.paged = last_paged.load(std::memory_order_relaxed);
   r.pack_gqa = last_pack_gqa.load(std::memory_order_relaxed);
   r.dynamic_units = last_dynamic_units.load(std::memory_order_relaxed);
+  r.fwd_block_n = last_fwd_block_n.load(std::memory_order_relaxed);
   return r;
 }
 
@@ -168,6 +170,7 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   last_pack_gqa.store(path == FwdPath::kSm90OnePass && p.pack_gqa, std::memory_order_relaxed);
   last_dynamic_units.store(path == FwdPath::kSm90OnePass && p.dynamic_units && p.block_table == nullptr,
                            std::memory_order_relaxed);
+  last_fwd_block_n.store(path == FwdPath::kSm90OnePass ? p.fwd_block_n : 0, std::memory_order_relaxed);
   if (p.cu_seqlens_q != nullptr) {
     const cudaError_t err = run_packed_fill(p, stream);
     if (err != cudaSuccess) return err;

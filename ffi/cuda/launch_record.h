@@ -16,6 +16,7 @@ struct LaunchRecord {
   bool paged = false;
   bool pack_gqa = false;  // the Hopper forward could pack query heads (Plan::pack_gqa)
   bool dynamic_units = false;  // the Hopper forward took its units from a counter
+  int fwd_block_n = 0;  // the Hopper forward's keys per tile (0: another path)
 };
 LaunchRecord last_launch();
 

@@ -46,6 +46,15 @@ constexpr int kPagedRun = 16;
 
 // Hopper forward (sm90/fwd_sm90.cuh): query rows of one work unit, at every head size.
 constexpr int kFwdSm90BlockM = 128;
+// Its keys per tile (the plan's fwd_block_n): the widest that fits shared memory (Q + 2 stages
+// of K and V: 96, 208 and 224 KB) and registers (S, P and O of 64 rows per consumer thread) --
+// 128, 176, 80 at buckets 64, 128, 256 -- except that a banded call (causal or a local window)
+// at bucket 128 takes 128, as FlashAttention-3 does: its diagonal and window-edge tiles are
+// masked and partly wasted, and a 128-key tile lines up with the 128-row query tile, where a
+// 176-key one straddles the diagonal (two masked tiles, ~50 keys of waste per row).
+constexpr int fwd_sm90_block_n(int bucket, bool banded) {
+  return bucket <= 64 ? 128 : (bucket <= 128 ? (banded ? 128 : 176) : 80);
+}
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of kBwdBlockN keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the

@@ -43,6 +43,9 @@ struct PlanInputs {
   // Paged keys (params.h): the cache's rows per page; 0 = dense keys. A paged call is planned
   // with seqlen_k = pack_rows_k = max_pages * page_size (the keys' extent).
   int64_t page_size = 0;
+  // The mask (params.h): the Hopper forward's key tile depends on whether it has a band.
+  bool is_causal = false;
+  int64_t window_left = -1, window_right = -1;
   // Compute capability major of the device that runs the call; 0 = unknown (the lowering, which
   // cannot see it): the path then is the best one this build has (an sm_90 device's with the
   // Hopper kernels built, else an sm_80 one's).
@@ -68,6 +71,9 @@ struct Plan {
   // group into one tile for its short sequences (JAX_VARLEN_PACK_GQA=0 turns it off, to compare);
   // it sizes no workspace.
   bool pack_gqa = false;
+  // The Hopper forward's keys per tile (limits.h, fwd_sm90_block_n); 0 on other paths. A paged
+  // call keeps the bucket's widest (its kernels are compiled for that alone).
+  int fwd_block_n = 0;
   // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
   // workspace, float32 elements per pack (tiles and counters, layout: plan/limits.h); all 0
   // when the call never takes that kernel.
@@ -160,6 +166,10 @@ inline Plan make_plan(const PlanInputs& in) {
   else plan.fwd_path = FwdPath::kSm80OnePass;
   plan.pack_gqa = plan.fwd_path == FwdPath::kSm90OnePass && in.num_heads > in.kv_num_heads && pack_gqa_enabled();
   plan.dynamic_units = plan.fwd_path == FwdPath::kSm90OnePass && in.page_size == 0 && dynamic_units_enabled();
+  if (plan.fwd_path == FwdPath::kSm90OnePass) {
+    const bool banded = in.is_causal || in.window_left >= 0 || in.window_right >= 0;
+    plan.fwd_block_n = c::fwd_sm90_block_n(bucket, banded && in.page_size == 0);
+  }
 
   // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim and needs a query row;
   // its dQ workspace is sized whenever an sm_90 device could take the call.
@@ -217,6 +227,9 @@ inline PlanInputs plan_inputs(const AttentionParams& p, int compute_major) {
   in.head_dim = p.head_dim;
   in.head_dim_v = p.head_dim_v;
   in.page_size = p.block_table != nullptr ? p.page_size : 0;
+  in.is_causal = p.is_causal;
+  in.window_left = p.window_left;
+  in.window_right = p.window_right;
   in.compute_major = compute_major;
   return in;
 }

@@ -91,7 +91,8 @@ NB_MODULE(_jax_varlen, m) {
       "plan",
       [](const std::string& dtype, int64_t pack_seqs, int64_t pack_rows_q, int64_t pack_rows_k,
          int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads, int64_t kv_num_heads, int64_t head_dim,
-         int64_t head_dim_v, int64_t num_packs, int64_t page_size, int compute_major) {
+         int64_t head_dim_v, int64_t num_packs, int64_t page_size, bool is_causal, int64_t window_left,
+         int64_t window_right, int compute_major) {
         jax_varlen::PlanInputs in;
         in.dtype = dtype_of(dtype);
         in.num_packs = num_packs;
@@ -105,6 +106,9 @@ NB_MODULE(_jax_varlen, m) {
         in.head_dim = head_dim;
         in.head_dim_v = head_dim_v;
         in.page_size = page_size;
+        in.is_causal = is_causal;
+        in.window_left = window_left;
+        in.window_right = window_right;
         in.compute_major = compute_major;
         const jax_varlen::Plan plan = jax_varlen::make_plan(in);
         nb::dict d;
@@ -117,6 +121,7 @@ NB_MODULE(_jax_varlen, m) {
         d["fwd_workspace_per_pack"] = plan.fwd_workspace_per_pack;
         d["dynamic_units"] = plan.dynamic_units;         // Hopper forward: a unit counter (JAX_VARLEN_DYNAMIC_UNITS)
         d["pack_gqa"] = plan.pack_gqa;                  // Hopper forward: query heads packed (JAX_VARLEN_PACK_GQA)
+        d["fwd_block_n"] = plan.fwd_block_n;            // Hopper forward: keys per tile (0: another path)
         d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
         d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
         return d;
@@ -124,6 +129,7 @@ NB_MODULE(_jax_varlen, m) {
       nb::kw_only(), nb::arg("dtype"), nb::arg("pack_seqs"), nb::arg("pack_rows_q"), nb::arg("pack_rows_k"),
       nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("num_heads"), nb::arg("kv_num_heads"),
       nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("num_packs") = 1, nb::arg("page_size") = 0,
+      nb::arg("is_causal") = false, nb::arg("window_left") = -1, nb::arg("window_right") = -1,
       nb::arg("compute_major") = 0);
   // last_launch() -> dict or None: the path and split-KV chunk of the last CUDA forward and
   // backward this process launched (cuda/launch_record.h; fwd_path/bwd_path None before the first),
@@ -138,6 +144,7 @@ NB_MODULE(_jax_varlen, m) {
     d["paged"] = r.paged;  // the forward read a paged cache in place
     d["pack_gqa"] = r.pack_gqa;  // the Hopper forward could pack query heads
     d["dynamic_units"] = r.dynamic_units;  // the Hopper forward's units came from a counter
+    d["fwd_block_n"] = r.fwd_block_n;  // the Hopper forward's keys per tile (0: another path)
     return d;
 #else
     return nb::none();

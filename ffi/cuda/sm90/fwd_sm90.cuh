@@ -34,12 +34,8 @@
 
 namespace jax_varlen::cuda::sm90 {
 
-// Keys per tile: the widest that fits shared memory (Q + 2 stages of K and V: 96, 208 and 224 KB)
-// and registers (S, P and O of 64 rows per consumer thread group).
-template <int kHeadDim>
-constexpr int default_block_n() { return kHeadDim <= 64 ? 128 : (kHeadDim <= 128 ? 176 : 80); }
-
-template <typename Element_, int kHeadDim_, int kBlockN_ = default_block_n<kHeadDim_>()>
+// kBlockN_: keys per tile (plan/limits.h, fwd_sm90_block_n; the plan picks one per call).
+template <typename Element_, int kHeadDim_, int kBlockN_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // bucket of max(D, Dv): 64, 128, 256
@@ -252,10 +248,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   }
 }
 
-template <typename Elem, int kHeadDim>
-cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
-  using Element = typename CutlassElem<Elem>::type;
-  using Tr = FwdTraits<Element, kHeadDim>;
+// One launch of the kernels of traits Tr; kWithPaged: Tr's paged kernel is compiled (the
+// bucket's widest tile only; the plan never gives a paged call another).
+template <typename Tr, bool kWithPaged>
+cudaError_t launch_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
+  using Element = typename Tr::Element;
+  constexpr int kHeadDim = Tr::kHeadDim;
   // [packs, pack rows, heads, dim] views from the params' element strides, which TMA can take
   // (plan/plan.h); V is read transposed, (dim, key). Pack rows >= 1 (the plan).
   auto q_stride = make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride);
@@ -278,11 +276,13 @@ cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   kp.num_units = int(units);
   const int grid = kp.num_units < sm_count() ? kp.num_units : sm_count();
   const bool paged = p.block_table != nullptr;  // pages gathered by the producer warps (fwd_load.h)
+  if (paged && !kWithPaged) return cudaErrorInvalidValue;
   const bool dynamic = p.dynamic_units && !paged;
   auto pick = [&](auto softcap) {
     constexpr bool kSoftcap = decltype(softcap)::value;
-    return paged ? fwd_sm90_kernel<Tr, kSoftcap, true, false>
-                 : (dynamic ? fwd_sm90_kernel<Tr, kSoftcap, false, true> : fwd_sm90_kernel<Tr, kSoftcap, false, false>);
+    if constexpr (kWithPaged)
+      if (paged) return fwd_sm90_kernel<Tr, kSoftcap, true, false>;
+    return dynamic ? fwd_sm90_kernel<Tr, kSoftcap, false, true> : fwd_sm90_kernel<Tr, kSoftcap, false, false>;
   };
   auto kernel = p.softcap > 0.0f ? pick(std::true_type{}) : pick(std::false_type{});
   constexpr size_t kSmem = sizeof(SharedStorage<Tr>);
@@ -295,6 +295,20 @@ cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   }
   kernel<<<grid, Tr::kThreads, kSmem, stream>>>(kp);
   return cudaGetLastError();
+}
+
+// The forward of one (dtype, head-dim bucket): the kernels of the plan's key tile (p.fwd_block_n,
+// plan/limits.h): the bucket's widest, or at bucket 128 the banded calls' 128. Any other value
+// is an error, never another kernel.
+template <typename Elem, int kHeadDim>
+cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
+  using Element = typename CutlassElem<Elem>::type;
+  constexpr int kWidest = ::jax_varlen::cuda::fwd_sm90_block_n(kHeadDim, false);
+  if (p.fwd_block_n == kWidest) return launch_fwd_sm90<FwdTraits<Element, kHeadDim, kWidest>, true>(p, stream);
+  constexpr int kBanded = ::jax_varlen::cuda::fwd_sm90_block_n(kHeadDim, true);
+  if constexpr (kBanded != kWidest)
+    if (p.fwd_block_n == kBanded) return launch_fwd_sm90<FwdTraits<Element, kHeadDim, kBanded>, false>(p, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace jax_varlen::cuda::sm90
