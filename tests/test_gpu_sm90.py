@@ -68,19 +68,24 @@ def test_many_units_per_cta(head_dim, causal):
     check_against_oracle(q, k, v, n, is_causal=causal)
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "window", "causal-window", "softcap-causal"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "causal-window", "softcap-causal",
+                                  "causal-query-lengths", "none-query-lengths"])
 def test_key_tile_of_the_band(mask):
     """At head dim 128 a banded call (causal or a local window) runs the 128-key tile, an
     unmasked one the 176-key tile (plan/limits.h, fwd_sm90_block_n; the launch says which):
     both against the oracle, on ragged lengths whose diagonals and window edges fall mid-tile
-    in either width, over several units per CTA."""
+    in either width, over several units per CTA. With query lengths, last row blocks of 60 and
+    5 rows leave the second consumer warpgroup idle (FwdMma::follow, 128-key tile) while the
+    first computes."""
     _hopper()
     kw = {"none": {}, "causal": dict(is_causal=True), "window": dict(local_window_size=(300, 77)),
           "causal-window": dict(is_causal=True, local_window_size=(413, 0)),
-          "softcap-causal": dict(is_causal=True, softcap=20.0)}[mask]
+          "softcap-causal": dict(is_causal=True, softcap=20.0),
+          "causal-query-lengths": dict(is_causal=True, nonpad_q_seqlen=jnp.array([1100, 572, 133], jnp.int32)),
+          "none-query-lengths": dict(nonpad_q_seqlen=jnp.array([1100, 572, 133], jnp.int32))}[mask]
     q, k, v, n = make_inputs(3, 1100, 1500, 16, 4, 128, 128, jnp.bfloat16, [1500, 701, 133], seed=5)
     check_against_oracle(q, k, v, n, **kw)
-    assert jax_varlen._ffi.extension().last_launch()["fwd_block_n"] == (176 if mask == "none" else 128)
+    assert jax_varlen._ffi.extension().last_launch()["fwd_block_n"] == (176 if mask.startswith("none") else 128)
 
 
 def test_batch_past_the_sorted_limit():
