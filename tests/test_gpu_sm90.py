@@ -74,9 +74,8 @@ def test_key_tile_of_the_band(mask):
     """At head dim 128 a banded call (causal or a local window) runs the 128-key tile, an
     unmasked one the 176-key tile (plan/limits.h, fwd_sm90_block_n; the launch says which):
     both against the oracle, on ragged lengths whose diagonals and window edges fall mid-tile
-    in either width, over several units per CTA. With query lengths, last row blocks of 60 and
-    5 rows leave the second consumer warpgroup idle (FwdMma::follow, 128-key tile) while the
-    first computes."""
+    in either width, over several units per CTA; with query lengths, last row blocks of 60 and
+    5 rows."""
     _hopper()
     kw = {"none": {}, "causal": dict(is_causal=True), "window": dict(local_window_size=(300, 77)),
           "causal-window": dict(is_causal=True, local_window_size=(413, 0)),

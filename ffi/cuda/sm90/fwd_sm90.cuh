@@ -9,8 +9,6 @@
 //   warpgroups 1 and 2: the consumers, 64 query rows each of a kBlockM = 128 row tile: the
 //     mainloop (fwd_mma.h, FwdMma: S = Q K^T, the online softmax, O += P V, the two warpgroups
 //     taking turns to issue GEMMs) and the epilogue (fwd_epilogue.h, FwdEpilogue: O / l and lse).
-//     A warpgroup whose 64 rows all lie past a unit's rows only follows the barriers for it
-//     (FwdMma::follow; Tr::kIdleWarpgroups), leaving the tensor cores to the other.
 // setmaxnreg moves registers from the producer warpgroup to the consumers. The kernel below
 // assigns the roles and runs each role's persistent loop over units; the roles' state (TMA
 // views, wgmma descriptors, coordinates) is built once, before that loop.
@@ -52,10 +50,6 @@ struct FwdTraits {
   // 128 * producer + 256 * consumer registers <= 64K; wider key tiles need the last 8.
   static constexpr int kProducerRegs = kBlockN > 128 ? 24 : 40;
   static constexpr int kConsumerRegs = kBlockN > 128 ? 240 : 232;
-  // Idle warpgroups (FwdMma::idle / follow): at head dims up to 128 with tiles up to 128 keys.
-  // The other kernels (d128 at 176 keys, d256) would spill inside the mainloop with the second
-  // path (ptxas -v: 72-144 bytes, spill loads between the wgmmas).
-  static constexpr bool kIdleWarpgroups = kHeadDim <= 128 && kBlockN <= 128;
   // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
   // memory); larger ones keep their own order and read lengths from global memory.
   static constexpr int kMaxSortedBatch = 384;
@@ -119,8 +113,7 @@ struct alignas(1024) SharedStorage {
   uint64_t empty_k[Tr::kStages], empty_v[Tr::kStages];  // consumers -> producer: stage free
   uint64_t full_q, empty_q;
   uint64_t unit_full[2], unit_empty[2];  // dynamic units: the producer's hand-over ring (UnitSource)
-  int32_t next_index[2];                 // the unit's place in the list, -1 past its end
-  Unit next_unit[2];                     // the unit, decoded once by the producer
+  int32_t next_unit[2];
   typename Tr::Scheduler::SharedStorage sched;  // the batch's heaviest-first order
 };
 
@@ -139,16 +132,12 @@ struct KernelParams {
 enum class FwdRole { kProducer, kConsumer };
 
 // Where each role's r-th unit comes from. Static: the scheduler's snake (unit_of_round), which
-// both roles compute and decode alike. Dynamic (params.h, dynamic_units): the producer's lane 0
-// takes the next unit of the list from an atomic counter (the workspace's first word, zeroed
-// before the launch) -- a CTA that finishes early takes more, so no SM idles while others walk
-// long units --, the producer warp decodes it, and lane 0 hands it to the consumers through a
-// two-entry ring in shared memory (next_index / next_unit, on the unit_full / unit_empty
-// mbarriers), so the consumers start a unit on a few shared loads instead of decoding it
-// themselves (a search of the list and the sequence's offsets from global memory, at every unit
-// start, with both warpgroups' GEMMs waiting). Either way a unit is computed whole by one CTA in
-// the same way, so results stay bitwise deterministic and batch invariant; only the placement
-// changes.
+// both roles compute alike. Dynamic (params.h, dynamic_units): the producer's lane 0 takes the
+// next unit of the list from an atomic counter (the workspace's first word, zeroed before the
+// launch) -- a CTA that finishes early takes more, so no SM idles while others walk long units
+// -- and hands it to the consumers through a two-entry ring in shared memory (next_unit, on the
+// unit_full / unit_empty mbarriers). Either way a unit is computed whole by one CTA in the same
+// way, so results stay bitwise deterministic and batch invariant; only the placement changes.
 template <typename Tr, bool kDynamic>
 struct UnitSource {
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -156,47 +145,29 @@ struct UnitSource {
   // Everything is read where it is used (kernel parameters, shared memory): no register stays
   // live across a unit for it. A kernel of its own (kDynamic): the static kernels' producer
   // keeps its 24 registers to the snake.
-  // The producer warp's r-th unit into w (every lane); false past the end.
-  static __device__ bool producer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r,
-                                       Unit& w) {
-    if constexpr (!kDynamic) {
-      const int u = Sched::unit_of_round(r, num_units);
-      if (u < 0) return false;
-      w = Sched::decode_unit(kp.p, kp.num_m_blocks, ss.sched, u);
-      return true;
-    } else {
-      const int slot = r & 1;
-      Barrier::wait(&ss.unit_empty[slot], ((r >> 1) & 1) ^ 1);
-      int taken = 0;
-      if (threadIdx.x == 0) taken = atomicAdd(reinterpret_cast<int*>(kp.p.workspace), 1);
-      taken = __shfl_sync(0xffffffff, taken, 0);
-      const int u = taken < num_units ? taken : -1;
-      if (u >= 0) w = Sched::decode_unit(kp.p, kp.num_m_blocks, ss.sched, u);
-      if (threadIdx.x == 0) {
-        ss.next_index[slot] = u;
-        if (u >= 0) ss.next_unit[slot] = w;
-        Barrier::arrive(&ss.unit_full[slot]);  // release: the slot is visible to the waiters
-      }
-      return u >= 0;
+  // The producer warp's r-th unit, or -1 past the end (every lane).
+  static __device__ int producer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r) {
+    if constexpr (!kDynamic) return Sched::unit_of_round(r, num_units);
+    const int slot = r & 1;
+    Barrier::wait(&ss.unit_empty[slot], ((r >> 1) & 1) ^ 1);
+    int u = -1;
+    if (threadIdx.x == 0) {
+      const int taken = atomicAdd(reinterpret_cast<int*>(kp.p.workspace), 1);
+      u = taken < num_units ? taken : -1;
+      ss.next_unit[slot] = u;
+      Barrier::arrive(&ss.unit_full[slot]);  // release: next_unit is visible to the waiters
     }
+    return __shfl_sync(0xffffffff, u, 0);
   }
-  // A consumer thread's r-th unit into w; false past the end.
-  static __device__ bool consumer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r,
-                                       Unit& w) {
-    if constexpr (!kDynamic) {
-      const int u = Sched::unit_of_round(r, num_units);
-      if (u < 0) return false;
-      w = Sched::decode_unit(kp.p, kp.num_m_blocks, ss.sched, u);
-      return true;
-    } else {
-      const int slot = r & 1;
-      Barrier::wait(&ss.unit_full[slot], (r >> 1) & 1);
-      const bool more = ss.next_index[slot] >= 0;
-      if (more) w = ss.next_unit[slot];
-      __syncwarp();
-      if (threadIdx.x % 32 == 0) Barrier::arrive(&ss.unit_empty[slot]);
-      return more;
-    }
+  // A consumer thread's r-th unit, or -1 past the end.
+  static __device__ int consumer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r) {
+    if constexpr (!kDynamic) return Sched::unit_of_round(r, num_units);
+    const int slot = r & 1;
+    Barrier::wait(&ss.unit_full[slot], (r >> 1) & 1);
+    const int u = ss.next_unit[slot];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) Barrier::arrive(&ss.unit_empty[slot]);
+    return u;
   }
 };
 
@@ -241,8 +212,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     FwdLoad<Tr, kPaged> load(kp, ss);
     PipelineState<Tr::kStages> pipe;
     int q_iter = 0;
-    Unit w;
-    for (int r = 0; Units::producer_next(kp, ss, num_units, r, w); ++r) {
+    for (int r = 0;; ++r) {
+      const int u = Units::producer_next(kp, ss, num_units, r);
+      if (u < 0) break;
+      const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
       if (w.n_tiles == 0) continue;  // no row may see a key: the consumers write zeros
       load.load(w, pipe, q_iter);
     }
@@ -256,14 +229,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   mainloop.begin_turns();
   PipelineState<Tr::kStages> pipe;
   int q_iter = 0;
-  Unit w;
-  for (int r = 0; Units::consumer_next(kp, ss, num_units, r, w); ++r) {
-    if constexpr (Tr::kIdleWarpgroups) {
-      if (w.n_tiles > 0 && mainloop.idle(w)) {  // rows all past the unit's: the barriers' part only
-        mainloop.follow(w, pipe, q_iter);
-        continue;
-      }
-    }
+  for (int r = 0;; ++r) {
+    const int u = Units::consumer_next(kp, ss, num_units, r);
+    if (u < 0) break;
+    const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
     const FwdRows rows = mainloop.thread_rows(p, w);
     const FwdUnitOut<Element> dst = epilogue.unit_out(w);
     if (w.n_tiles == 0) {

@@ -29,9 +29,8 @@
 
 namespace jax_varlen::cuda::sm90 {
 
-// One unit of work (see the top of the file) and the keys it needs. 16-byte aligned: the dynamic
-// forward hands it from the producer to the consumers through shared memory in four vector loads.
-struct alignas(16) Unit {
+// One unit of work (see the top of the file) and the keys it needs.
+struct Unit {
   int b, m_block;
   int h;          // the first query head of the unit (its only one unless heads > 1)
   int heads;      // query heads of the unit: 1, or the group (pack-GQA): tile row i is query
