@@ -87,6 +87,42 @@ def test_key_tile_of_the_band(mask):
     assert jax_varlen._ffi.extension().last_launch()["fwd_block_n"] == (176 if mask.startswith("none") else 128)
 
 
+@pytest.mark.parametrize("layout", ["packed-serving-step-d128", "padded-query-lengths-d64"])
+def test_lean_units_change_no_bit(monkeypatch, layout):
+    """Lean units (JAX_VARLEN_LEAN_UNITS=1, off by default until this test and a benchmark ran
+    on a GPU; fwd_sm90.cuh kLean): the producer hands each decoded unit to the consumers, and a
+    warpgroup past a unit's rows (pack-GQA decode units of 1-3 rows; last row blocks of 60 and
+    5 rows) only follows the barriers. Out and lse bitwise equal to the default kernel's, run
+    after run, the launch says which ran, and the lean call against the oracle."""
+    _hopper()
+    for name in ("JAX_VARLEN_LEAN_UNITS", "JAX_VARLEN_DYNAMIC_UNITS"):
+        monkeypatch.delenv(name, raising=False)
+    if layout.startswith("packed"):
+        rng = np.random.default_rng(29)
+        lens_q = [1, 700, 3, 1, 60, 2, 129, 1] * 3
+        lens_k = [n + int(rng.integers(0, 3000)) for n in lens_q]
+        q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, H=8, Hkv=2, D=128, Dv=128, dtype=jnp.bfloat16)
+        kw = dict(is_causal=True, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+        make = lambda: jax.jit(lambda *a: jax_varlen.packed_attention(*a, return_lse=True, **kw))  # noqa: E731
+        args = (q, k, v, cu_q, cu_k)
+    else:
+        q, k, v, n = make_inputs(3, 700, 900, 8, 2, 64, 64, jnp.bfloat16, [900, 400, 133], seed=31)
+        n_q = jnp.array([700, 316, 5], jnp.int32)  # last row blocks of 60 (700 - 640), 60, 5 rows
+        make = lambda: jax.jit(lambda *a: jax_varlen.attention(  # noqa: E731
+            *a, nonpad_q_seqlen=n_q, return_lse=True, is_causal=True))
+        args = (q, k, v, n)
+    base = make()(*args)
+    assert not jax_varlen._ffi.extension().last_launch()["lean_units"]
+    monkeypatch.setenv("JAX_VARLEN_LEAN_UNITS", "1")
+    f = make()
+    for _ in range(2):
+        out, lse = f(*args)
+        assert jax_varlen._ffi.extension().last_launch()["lean_units"]
+        assert bits(out) == bits(base[0]) and bits(lse) == bits(base[1])
+    if not layout.startswith("packed"):
+        check_against_oracle(q, k, v, n, nonpad_q_seqlen=n_q, is_causal=True)
+
+
 def test_batch_past_the_sorted_limit():
     """More sequences than the kernel sorts in shared memory: they keep their own order."""
     _hopper()

@@ -119,6 +119,25 @@ def test_hopper_key_tile_follows_the_band(monkeypatch):
     assert plan(Sq=300, Skv=2048, page_size=64, compute_major=9, is_causal=True)["fwd_block_n"] == 176
 
 
+def test_lean_units_switch(monkeypatch):
+    """Lean units (JAX_VARLEN_LEAN_UNITS=1; off by default until they ran on a GPU) need
+    dynamic units and a kernel that carries them: d64, and d128 with the banded calls'
+    128-key tile, never d128's 176-key tile or d256. They change no workspace."""
+    for name in ("JAX_VARLEN_LEAN_UNITS", "JAX_VARLEN_DYNAMIC_UNITS"):
+        monkeypatch.delenv(name, raising=False)
+    assert not plan(Sq=300, compute_major=9, is_causal=True)["lean_units"]
+    monkeypatch.setenv("JAX_VARLEN_LEAN_UNITS", "1")
+    sm90 = _ffi.extension().with_sm90
+    for D, causal, lean in ((64, False, True), (128, True, True), (128, False, False), (256, True, False)):
+        p = plan(Sq=300, D=D, compute_major=9, is_causal=causal)
+        assert p["lean_units"] == (sm90 and lean), (D, causal)
+        assert workspaces(p) == workspaces(plan(Sq=300, D=D, compute_major=9))
+    assert not plan(Sq=300, compute_major=8, is_causal=True)["lean_units"]
+    assert not plan(Sq=4, compute_major=9, is_causal=True)["lean_units"]  # split-KV
+    monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "0")
+    assert not plan(Sq=300, compute_major=9, is_causal=True)["lean_units"]  # static units
+
+
 def test_split_workspace_size():
     """One float32 partial per (sequence, kv head, chunk of keys, padded query row), each
     head_dim_v + 1 floats (output and lse): a second chunk doubles it, a sequence more in the

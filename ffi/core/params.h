@@ -108,6 +108,9 @@ struct AttentionParams {
   // The Hopper forward's keys per tile (the plan sets it: limits.h, fwd_sm90_block_n); it
   // launches the kernel compiled for it, or fails.
   int fwd_block_n = 0;
+  // Lean units (the plan sets it, plan/plan.h; with dynamic_units): the Hopper forward's lean
+  // kernels, compiled for the traits of limits.h's fwd_sm90_idle_warpgroups alone.
+  bool lean_units = false;
 
   float scale;    // multiplies <q, k>
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)

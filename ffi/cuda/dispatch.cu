@@ -129,6 +129,7 @@ std::atomic<int> last_fwd_path{-1}, last_bwd_path{-1};
 std::atomic<int64_t> last_split_keys{0};
 std::atomic<bool> last_paged{false}, last_pack_gqa{false}, last_dynamic_units{false};
 std::atomic<int> last_fwd_block_n{0};
+std::atomic<bool> last_lean_units{false};
 }  // namespace
 
 LaunchRecord last_launch() {
@@ -140,6 +141,7 @@ LaunchRecord last_launch() {
   r.pack_gqa = last_pack_gqa.load(std::memory_order_relaxed);
   r.dynamic_units = last_dynamic_units.load(std::memory_order_relaxed);
   r.fwd_block_n = last_fwd_block_n.load(std::memory_order_relaxed);
+  r.lean_units = last_lean_units.load(std::memory_order_relaxed);
   return r;
 }
 
@@ -171,6 +173,8 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   last_dynamic_units.store(path == FwdPath::kSm90OnePass && p.dynamic_units && p.block_table == nullptr,
                            std::memory_order_relaxed);
   last_fwd_block_n.store(path == FwdPath::kSm90OnePass ? p.fwd_block_n : 0, std::memory_order_relaxed);
+  last_lean_units.store(path == FwdPath::kSm90OnePass && p.lean_units && p.dynamic_units && p.block_table == nullptr,
+                        std::memory_order_relaxed);
   if (p.cu_seqlens_q != nullptr) {
     const cudaError_t err = run_packed_fill(p, stream);
     if (err != cudaSuccess) return err;

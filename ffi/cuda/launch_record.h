@@ -17,6 +17,7 @@ struct LaunchRecord {
   bool pack_gqa = false;  // the Hopper forward could pack query heads (Plan::pack_gqa)
   bool dynamic_units = false;  // the Hopper forward took its units from a counter
   int fwd_block_n = 0;  // the Hopper forward's keys per tile (0: another path)
+  bool lean_units = false;  // the Hopper forward ran its lean kernel (Plan::lean_units)
 };
 LaunchRecord last_launch();
 

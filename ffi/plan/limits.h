@@ -55,6 +55,10 @@ constexpr int kFwdSm90BlockM = 128;
 constexpr int fwd_sm90_block_n(int bucket, bool banded) {
   return bucket <= 64 ? 128 : (bucket <= 128 ? (banded ? 128 : 176) : 80);
 }
+// Whether lean kernels (the plan's lean_units: idle warpgroups and the unit hand-over,
+// sm90/fwd_sm90.cuh) exist for bucket and block_n: the others (d128 at 176 keys, d256) would
+// spill inside the mainloop with the idle path (benchmarks/NOTES.md).
+constexpr bool fwd_sm90_idle_warpgroups(int bucket, int block_n) { return bucket <= 128 && block_n <= 128; }
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of kBwdBlockN keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the

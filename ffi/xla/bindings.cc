@@ -122,6 +122,7 @@ NB_MODULE(_jax_varlen, m) {
         d["dynamic_units"] = plan.dynamic_units;         // Hopper forward: a unit counter (JAX_VARLEN_DYNAMIC_UNITS)
         d["pack_gqa"] = plan.pack_gqa;                  // Hopper forward: query heads packed (JAX_VARLEN_PACK_GQA)
         d["fwd_block_n"] = plan.fwd_block_n;            // Hopper forward: keys per tile (0: another path)
+        d["lean_units"] = plan.lean_units;              // Hopper forward: JAX_VARLEN_LEAN_UNITS
         d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
         d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
         return d;
@@ -145,6 +146,7 @@ NB_MODULE(_jax_varlen, m) {
     d["pack_gqa"] = r.pack_gqa;  // the Hopper forward could pack query heads
     d["dynamic_units"] = r.dynamic_units;  // the Hopper forward's units came from a counter
     d["fwd_block_n"] = r.fwd_block_n;  // the Hopper forward's keys per tile (0: another path)
+    d["lean_units"] = r.lean_units;  // the Hopper forward ran its lean kernel
     return d;
 #else
     return nb::none();

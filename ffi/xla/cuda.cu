@@ -51,6 +51,7 @@ ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
   p.pack_gqa = plan->pack_gqa;
   p.dynamic_units = plan->dynamic_units;
   p.fwd_block_n = plan->fwd_block_n;
+  p.lean_units = plan->lean_units;
   if (p.num_packs * p.pack_rows_q == 0 || p.num_heads == 0) return ffi::Error::Success();  // no output
   const cudaError_t err = cuda::run_fwd(p, *plan, stream);
   if (err != cudaSuccess)

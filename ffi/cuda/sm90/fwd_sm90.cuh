@@ -50,6 +50,9 @@ struct FwdTraits {
   // 128 * producer + 256 * consumer registers <= 64K; wider key tiles need the last 8.
   static constexpr int kProducerRegs = kBlockN > 128 ? 24 : 40;
   static constexpr int kConsumerRegs = kBlockN > 128 ? 240 : 232;
+  // Whether lean kernels (idle warpgroups, unit hand-over) exist for these traits: plan/limits.h
+  // decides, for the plan too (the others would spill inside the mainloop, benchmarks/NOTES.md).
+  static constexpr bool kIdleWarpgroups = ::jax_varlen::cuda::fwd_sm90_idle_warpgroups(kHeadDim, kBlockN);
   // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
   // memory); larger ones keep their own order and read lengths from global memory.
   static constexpr int kMaxSortedBatch = 384;
@@ -115,6 +118,7 @@ struct alignas(1024) SharedStorage {
   uint64_t unit_full[2], unit_empty[2];  // dynamic units: the producer's hand-over ring (UnitSource)
   int32_t next_unit[2];
   typename Tr::Scheduler::SharedStorage sched;  // the batch's heaviest-first order
+  Unit lean_unit[2];  // lean units (UnitHandover): the units themselves, decoded by the producer
 };
 
 template <typename Tr>
@@ -171,9 +175,49 @@ struct UnitSource {
   }
 };
 
+// Lean units (params.h, lean_units; the kernels of Tr::kIdleWarpgroups; not yet run on a GPU):
+// dynamic units whose producer decodes each unit once and hands the decoded Unit (64 bytes) to
+// the consumers through the same ring (lean_unit on unit_full / unit_empty), so a unit starts on
+// four shared loads instead of every consumer thread searching the list and reading the
+// sequence's offsets from global memory while both warpgroups' GEMMs wait. Same list, same
+// counter, same units as UnitSource<Tr, true>.
+template <typename Tr>
+struct UnitHandover {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using Sched = typename Tr::Scheduler;
+  // The producer warp's r-th unit into w (every lane); false past the end.
+  static __device__ bool producer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r,
+                                       Unit& w) {
+    const int slot = r & 1;
+    Barrier::wait(&ss.unit_empty[slot], ((r >> 1) & 1) ^ 1);
+    int taken = 0;
+    if (threadIdx.x == 0) taken = atomicAdd(reinterpret_cast<int*>(kp.p.workspace), 1);
+    taken = __shfl_sync(0xffffffff, taken, 0);
+    const int u = taken < num_units ? taken : -1;
+    if (u >= 0) w = Sched::decode_unit(kp.p, kp.num_m_blocks, ss.sched, u);
+    if (threadIdx.x == 0) {
+      ss.next_unit[slot] = u;
+      if (u >= 0) ss.lean_unit[slot] = w;
+      Barrier::arrive(&ss.unit_full[slot]);  // release: the slot is visible to the waiters
+    }
+    return u >= 0;
+  }
+  // A consumer thread's r-th unit into w; false past the end.
+  static __device__ bool consumer_next(SharedStorage<Tr>& ss, int r, Unit& w) {
+    const int slot = r & 1;
+    Barrier::wait(&ss.unit_full[slot], (r >> 1) & 1);
+    const bool more = ss.next_unit[slot] >= 0;
+    if (more) w = ss.lean_unit[slot];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) Barrier::arrive(&ss.unit_empty[slot]);
+    return more;
+  }
+};
+
 // kPaged: K and V gathered from a paged cache (fwd_load.h); kDynamic: units from the counter
-// (UnitSource; never with kPaged).
-template <typename Tr, bool kSoftcap, bool kPaged, bool kDynamic>
+// (UnitSource; never with kPaged); kLean: lean units (UnitHandover, with kDynamic) and idle
+// warpgroups (FwdMma::follow), the kernels of Tr::kIdleWarpgroups only.
+template <typename Tr, bool kSoftcap, bool kPaged, bool kDynamic, bool kLean>
 __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_constant__ KernelParams<Tr> kp) {
   using Element = typename Tr::Element;
   using Sched = typename Tr::Scheduler;
@@ -212,6 +256,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     FwdLoad<Tr, kPaged> load(kp, ss);
     PipelineState<Tr::kStages> pipe;
     int q_iter = 0;
+    if constexpr (kLean) {
+      Unit w;
+      for (int r = 0; UnitHandover<Tr>::producer_next(kp, ss, num_units, r, w); ++r)
+        if (w.n_tiles > 0) load.load(w, pipe, q_iter);  // else the consumers write zeros
+      return;
+    }
     for (int r = 0;; ++r) {
       const int u = Units::producer_next(kp, ss, num_units, r);
       if (u < 0) break;
@@ -230,9 +280,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   PipelineState<Tr::kStages> pipe;
   int q_iter = 0;
   for (int r = 0;; ++r) {
-    const int u = Units::consumer_next(kp, ss, num_units, r);
-    if (u < 0) break;
-    const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
+    Unit w;
+    if constexpr (kLean) {
+      if (!UnitHandover<Tr>::consumer_next(ss, r, w)) break;
+      if (w.n_tiles > 0 && mainloop.idle(w)) {  // rows all past the unit's: the barriers' part only
+        mainloop.follow(w, pipe, q_iter);
+        continue;
+      }
+    } else {
+      const int u = Units::consumer_next(kp, ss, num_units, r);
+      if (u < 0) break;
+      w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
+    }
     const FwdRows rows = mainloop.thread_rows(p, w);
     const FwdUnitOut<Element> dst = epilogue.unit_out(w);
     if (w.n_tiles == 0) {
@@ -278,11 +337,15 @@ cudaError_t launch_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   const bool paged = p.block_table != nullptr;  // pages gathered by the producer warps (fwd_load.h)
   if (paged && !kWithPaged) return cudaErrorInvalidValue;
   const bool dynamic = p.dynamic_units && !paged;
+  const bool lean = p.lean_units && dynamic;
+  if (lean && !Tr::kIdleWarpgroups) return cudaErrorInvalidValue;  // the plan never asks
   auto pick = [&](auto softcap) {
     constexpr bool kSoftcap = decltype(softcap)::value;
     if constexpr (kWithPaged)
-      if (paged) return fwd_sm90_kernel<Tr, kSoftcap, true, false>;
-    return dynamic ? fwd_sm90_kernel<Tr, kSoftcap, false, true> : fwd_sm90_kernel<Tr, kSoftcap, false, false>;
+      if (paged) return fwd_sm90_kernel<Tr, kSoftcap, true, false, false>;
+    if constexpr (Tr::kIdleWarpgroups)
+      if (lean) return fwd_sm90_kernel<Tr, kSoftcap, false, true, true>;
+    return dynamic ? fwd_sm90_kernel<Tr, kSoftcap, false, true, false> : fwd_sm90_kernel<Tr, kSoftcap, false, false, false>;
   };
   auto kernel = p.softcap > 0.0f ? pick(std::true_type{}) : pick(std::false_type{});
   constexpr size_t kSmem = sizeof(SharedStorage<Tr>);
