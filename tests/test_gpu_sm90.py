@@ -68,6 +68,17 @@ def test_many_units_per_cta(head_dim, causal):
     check_against_oracle(q, k, v, n, is_causal=causal)
 
 
+def _packed_causal_step(lens_q, seed, max_history):
+    """A packed causal call (d128, 8 query heads over 2 kv heads, bf16) on sequences of lens_q
+    query rows, each with up to max_history cached keys before them: (make, args), where make()
+    is a fresh jit of packed_attention with lse (a fresh trace: a switch set since is planned)."""
+    rng = np.random.default_rng(seed)
+    lens_k = [n + int(rng.integers(0, max_history)) for n in lens_q]
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, H=8, Hkv=2, D=128, Dv=128, dtype=jnp.bfloat16)
+    kw = dict(is_causal=True, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    return (lambda: jax.jit(lambda *a: jax_varlen.packed_attention(*a, return_lse=True, **kw))), (q, k, v, cu_q, cu_k)
+
+
 @pytest.mark.parametrize("mask", ["none", "causal", "window", "causal-window", "softcap-causal",
                                   "causal-query-lengths", "none-query-lengths"])
 def test_key_tile_of_the_band(mask):
@@ -98,13 +109,7 @@ def test_lean_units_change_no_bit(monkeypatch, layout):
     for name in ("JAX_VARLEN_LEAN_UNITS", "JAX_VARLEN_DYNAMIC_UNITS"):
         monkeypatch.delenv(name, raising=False)
     if layout.startswith("packed"):
-        rng = np.random.default_rng(29)
-        lens_q = [1, 700, 3, 1, 60, 2, 129, 1] * 3
-        lens_k = [n + int(rng.integers(0, 3000)) for n in lens_q]
-        q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, H=8, Hkv=2, D=128, Dv=128, dtype=jnp.bfloat16)
-        kw = dict(is_causal=True, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-        make = lambda: jax.jit(lambda *a: jax_varlen.packed_attention(*a, return_lse=True, **kw))  # noqa: E731
-        args = (q, k, v, cu_q, cu_k)
+        make, args = _packed_causal_step([1, 700, 3, 1, 60, 2, 129, 1] * 3, seed=29, max_history=3000)
     else:
         q, k, v, n = make_inputs(3, 700, 900, 8, 2, 64, 64, jnp.bfloat16, [900, 400, 133], seed=31)
         n_q = jnp.array([700, 316, 5], jnp.int32)  # last row blocks of 60 (700 - 640), 60, 5 rows
@@ -321,13 +326,7 @@ def test_dynamic_units_change_no_bit(monkeypatch, layout):
     run after run (the counter is zeroed before every launch), and the launch says which ran."""
     _hopper()
     if layout == "packed-serving-step":
-        rng = np.random.default_rng(23)
-        lens_q = [700, 1, 0, 3, 31, 1, 96, 129, 1, 17] * 4
-        lens_k = [n + int(rng.integers(0, 2000)) for n in lens_q]
-        q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, H=8, Hkv=2, D=128, Dv=128, dtype=jnp.bfloat16)
-        kw = dict(is_causal=True, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-        make = lambda: jax.jit(lambda *a: jax_varlen.packed_attention(*a, return_lse=True, **kw))  # noqa: E731
-        args = (q, k, v, cu_q, cu_k)
+        make, args = _packed_causal_step([700, 1, 0, 3, 31, 1, 96, 129, 1, 17] * 4, seed=23, max_history=2000)
     else:
         q, k, v, n = make_inputs(4, 1000, 1000, 8, 2, 64, 64, jnp.bfloat16, [1000, 3, 517, 0])
         make = lambda: jax.jit(lambda *a: jax_varlen.attention(*a, return_lse=True, is_causal=True))  # noqa: E731
