@@ -109,7 +109,7 @@ struct AttentionParams {
   // launches the kernel compiled for it, or fails.
   int fwd_block_n = 0;
   // Lean units (the plan sets it, plan/plan.h; with dynamic_units): the Hopper forward's lean
-  // kernels, compiled for the traits of limits.h's fwd_sm90_idle_warpgroups alone.
+  // kernels, compiled for the traits of limits.h's fwd_sm90_lean_kernels alone.
   bool lean_units = false;
 
   float scale;    // multiplies <q, k>

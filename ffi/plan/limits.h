@@ -58,7 +58,7 @@ constexpr int fwd_sm90_block_n(int bucket, bool banded) {
 // Whether lean kernels (the plan's lean_units: idle warpgroups and the unit hand-over,
 // sm90/fwd_sm90.cuh) exist for bucket and block_n: the others (d128 at 176 keys, d256) would
 // spill inside the mainloop with the idle path (benchmarks/NOTES.md).
-constexpr bool fwd_sm90_idle_warpgroups(int bucket, int block_n) { return bucket <= 128 && block_n <= 128; }
+constexpr bool fwd_sm90_lean_kernels(int bucket, int block_n) { return bucket <= 128 && block_n <= 128; }
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of kBwdBlockN keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the

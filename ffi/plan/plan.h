@@ -75,7 +75,7 @@ struct Plan {
   // call keeps the bucket's widest (its kernels are compiled for that alone).
   int fwd_block_n = 0;
   // Lean units (JAX_VARLEN_LEAN_UNITS=1; compiled and CPU-tested, not yet run on a GPU, hence
-  // off by default): with dynamic units, on the kernels of limits.h's fwd_sm90_idle_warpgroups,
+  // off by default): with dynamic units, on the kernels of limits.h's fwd_sm90_lean_kernels,
   // the producer decodes each unit once for the consumers, and a consumer warpgroup whose rows
   // all lie past a unit's only follows the barriers for it (sm90/fwd_sm90.cuh, kLean). Kernels
   // of their own: the default kernels are unchanged.
@@ -177,7 +177,7 @@ inline Plan make_plan(const PlanInputs& in) {
   if (plan.fwd_path == FwdPath::kSm90OnePass) {
     const bool banded = in.is_causal || in.window_left >= 0 || in.window_right >= 0;
     plan.fwd_block_n = c::fwd_sm90_block_n(bucket, banded && in.page_size == 0);
-    plan.lean_units = plan.dynamic_units && c::fwd_sm90_idle_warpgroups(bucket, plan.fwd_block_n) &&
+    plan.lean_units = plan.dynamic_units && c::fwd_sm90_lean_kernels(bucket, plan.fwd_block_n) &&
                       lean_units_enabled();
   }
 

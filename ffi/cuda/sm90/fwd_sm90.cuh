@@ -52,7 +52,7 @@ struct FwdTraits {
   static constexpr int kConsumerRegs = kBlockN > 128 ? 240 : 232;
   // Whether lean kernels (idle warpgroups, unit hand-over) exist for these traits: plan/limits.h
   // decides, for the plan too (the others would spill inside the mainloop, benchmarks/NOTES.md).
-  static constexpr bool kIdleWarpgroups = ::jax_varlen::cuda::fwd_sm90_idle_warpgroups(kHeadDim, kBlockN);
+  static constexpr bool kLeanKernels = ::jax_varlen::cuda::fwd_sm90_lean_kernels(kHeadDim, kBlockN);
   // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
   // memory); larger ones keep their own order and read lengths from global memory.
   static constexpr int kMaxSortedBatch = 384;
@@ -175,7 +175,7 @@ struct UnitSource {
   }
 };
 
-// Lean units (params.h, lean_units; the kernels of Tr::kIdleWarpgroups; not yet run on a GPU):
+// Lean units (params.h, lean_units; the kernels of Tr::kLeanKernels; not yet run on a GPU):
 // dynamic units whose producer decodes each unit once and hands the decoded Unit (64 bytes) to
 // the consumers through the same ring (lean_unit on unit_full / unit_empty), so a unit starts on
 // four shared loads instead of every consumer thread searching the list and reading the
@@ -216,7 +216,7 @@ struct UnitHandover {
 
 // kPaged: K and V gathered from a paged cache (fwd_load.h); kDynamic: units from the counter
 // (UnitSource; never with kPaged); kLean: lean units (UnitHandover, with kDynamic) and idle
-// warpgroups (FwdMma::follow), the kernels of Tr::kIdleWarpgroups only.
+// warpgroups (FwdMma::follow), the kernels of Tr::kLeanKernels only.
 template <typename Tr, bool kSoftcap, bool kPaged, bool kDynamic, bool kLean>
 __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_constant__ KernelParams<Tr> kp) {
   using Element = typename Tr::Element;
@@ -338,12 +338,12 @@ cudaError_t launch_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (paged && !kWithPaged) return cudaErrorInvalidValue;
   const bool dynamic = p.dynamic_units && !paged;
   const bool lean = p.lean_units && dynamic;
-  if (lean && !Tr::kIdleWarpgroups) return cudaErrorInvalidValue;  // the plan never asks
+  if (lean && !Tr::kLeanKernels) return cudaErrorInvalidValue;  // the plan never asks
   auto pick = [&](auto softcap) {
     constexpr bool kSoftcap = decltype(softcap)::value;
     if constexpr (kWithPaged)
       if (paged) return fwd_sm90_kernel<Tr, kSoftcap, true, false, false>;
-    if constexpr (Tr::kIdleWarpgroups)
+    if constexpr (Tr::kLeanKernels)
       if (lean) return fwd_sm90_kernel<Tr, kSoftcap, false, true, true>;
     return dynamic ? fwd_sm90_kernel<Tr, kSoftcap, false, true, false> : fwd_sm90_kernel<Tr, kSoftcap, false, false, false>;
   };
