@@ -170,11 +170,10 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   last_split_keys.store(path == FwdPath::kSm80Split ? p.split_keys : 0, std::memory_order_relaxed);
   last_paged.store(p.block_table != nullptr, std::memory_order_relaxed);
   last_pack_gqa.store(path == FwdPath::kSm90OnePass && p.pack_gqa, std::memory_order_relaxed);
-  last_dynamic_units.store(path == FwdPath::kSm90OnePass && p.dynamic_units && p.block_table == nullptr,
-                           std::memory_order_relaxed);
+  // The plan gives dynamic units to unpaged calls only, and lean units to dynamic ones only.
+  last_dynamic_units.store(path == FwdPath::kSm90OnePass && p.dynamic_units, std::memory_order_relaxed);
   last_fwd_block_n.store(path == FwdPath::kSm90OnePass ? p.fwd_block_n : 0, std::memory_order_relaxed);
-  last_lean_units.store(path == FwdPath::kSm90OnePass && p.lean_units && p.dynamic_units && p.block_table == nullptr,
-                        std::memory_order_relaxed);
+  last_lean_units.store(path == FwdPath::kSm90OnePass && p.lean_units, std::memory_order_relaxed);
   if (p.cu_seqlens_q != nullptr) {
     const cudaError_t err = run_packed_fill(p, stream);
     if (err != cudaSuccess) return err;

@@ -176,9 +176,9 @@ struct UnitSource {
 };
 
 // Lean units (params.h, lean_units; the kernels of Tr::kLeanKernels; not yet run on a GPU):
-// dynamic units whose producer decodes each unit once and hands the decoded Unit (64 bytes) to
+// dynamic units whose producer decodes each unit once and hands the decoded Unit (15 ints) to
 // the consumers through the same ring (lean_unit on unit_full / unit_empty), so a unit starts on
-// four shared loads instead of every consumer thread searching the list and reading the
+// a few shared loads instead of every consumer thread searching the list and reading the
 // sequence's offsets from global memory while both warpgroups' GEMMs wait. Same list, same
 // counter, same units as UnitSource<Tr, true>.
 template <typename Tr>
