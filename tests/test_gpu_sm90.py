@@ -100,11 +100,11 @@ def test_key_tile_of_the_band(mask):
 
 @pytest.mark.parametrize("layout", ["packed-serving-step-d128", "padded-query-lengths-d64"])
 def test_lean_units_change_no_bit(monkeypatch, layout):
-    """Lean units (JAX_VARLEN_LEAN_UNITS=1, off by default until this test and a benchmark ran
-    on a GPU; fwd_sm90.cuh kLean): the producer hands each decoded unit to the consumers, and a
-    warpgroup past a unit's rows (pack-GQA decode units of 1-3 rows; last row blocks of 60 and
-    5 rows) only follows the barriers. Out and lse bitwise equal to the default kernel's, run
-    after run, the launch says which ran, and the lean call against the oracle."""
+    """Lean units (the default; JAX_VARLEN_LEAN_UNITS=0 turns them off; fwd_sm90.cuh kLean):
+    the producer hands each decoded unit to the consumers, and a warpgroup past a unit's rows
+    (pack-GQA decode units of 1-3 rows; last row blocks of 60 and 5 rows) only follows the
+    barriers. Out and lse bitwise equal to the kernel without them, run after run, the launch
+    says which ran, and the lean call against the oracle."""
     _hopper()
     for name in ("JAX_VARLEN_LEAN_UNITS", "JAX_VARLEN_DYNAMIC_UNITS"):
         monkeypatch.delenv(name, raising=False)
@@ -116,9 +116,10 @@ def test_lean_units_change_no_bit(monkeypatch, layout):
         make = lambda: jax.jit(lambda *a: jax_varlen.attention(  # noqa: E731
             *a, nonpad_q_seqlen=n_q, return_lse=True, is_causal=True))
         args = (q, k, v, n)
+    monkeypatch.setenv("JAX_VARLEN_LEAN_UNITS", "0")
     base = make()(*args)
     assert not jax_varlen._ffi.extension().last_launch()["lean_units"]
-    monkeypatch.setenv("JAX_VARLEN_LEAN_UNITS", "1")
+    monkeypatch.delenv("JAX_VARLEN_LEAN_UNITS")
     f = make()
     for _ in range(2):
         out, lse = f(*args)

@@ -120,13 +120,11 @@ def test_hopper_key_tile_follows_the_band(monkeypatch):
 
 
 def test_lean_units_switch(monkeypatch):
-    """Lean units (JAX_VARLEN_LEAN_UNITS=1; off by default until they ran on a GPU) need
-    dynamic units and a kernel that carries them: d64, and d128 with the banded calls'
-    128-key tile, never d128's 176-key tile or d256. They change no workspace."""
+    """Lean units (on by default; JAX_VARLEN_LEAN_UNITS=0 turns them off) need dynamic units
+    and a kernel that carries them: d64, and d128 with the banded calls' 128-key tile, never
+    d128's 176-key tile or d256. They change no workspace."""
     for name in ("JAX_VARLEN_LEAN_UNITS", "JAX_VARLEN_DYNAMIC_UNITS"):
         monkeypatch.delenv(name, raising=False)
-    assert not plan(Sq=300, compute_major=9, is_causal=True)["lean_units"]
-    monkeypatch.setenv("JAX_VARLEN_LEAN_UNITS", "1")
     sm90 = _ffi.extension().with_sm90
     for D, causal, lean in ((64, False, True), (128, True, True), (128, False, False), (256, True, False)):
         p = plan(Sq=300, D=D, compute_major=9, is_causal=causal)
@@ -134,6 +132,10 @@ def test_lean_units_switch(monkeypatch):
         assert workspaces(p) == workspaces(plan(Sq=300, D=D, compute_major=9))
     assert not plan(Sq=300, compute_major=8, is_causal=True)["lean_units"]
     assert not plan(Sq=4, compute_major=9, is_causal=True)["lean_units"]  # split-KV
+    monkeypatch.setenv("JAX_VARLEN_LEAN_UNITS", "0")
+    assert not plan(Sq=300, compute_major=9, is_causal=True)["lean_units"]
+    monkeypatch.setenv("JAX_VARLEN_LEAN_UNITS", "1")  # any value but 0 leaves them on
+    assert plan(Sq=300, compute_major=9, is_causal=True)["lean_units"] == sm90
     monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "0")
     assert not plan(Sq=300, compute_major=9, is_causal=True)["lean_units"]  # static units
 

@@ -175,7 +175,8 @@ struct UnitSource {
   }
 };
 
-// Lean units (params.h, lean_units; the kernels of Tr::kLeanKernels; not yet run on a GPU):
+// Lean units (params.h, lean_units; the kernels of Tr::kLeanKernels; GPU-tested bitwise against
+// the kernels without them):
 // dynamic units whose producer decodes each unit once and hands the decoded Unit (15 ints) to
 // the consumers through the same ring (lean_unit on unit_full / unit_empty), so a unit starts on
 // a few shared loads instead of every consumer thread searching the list and reading the
