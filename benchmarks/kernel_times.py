@@ -23,7 +23,8 @@ def rows(path):
         if r.get("Metric Name") != "gpu__time_duration.sum":
             continue
         value = float(r["Metric Value"].replace(",", ""))
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}[r["Metric Unit"]]
+        scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+                 "second": 1e6, "s": 1e6}[r["Metric Unit"]]  # ncu writes either spelling
         out.append((int(r["ID"]), r["Kernel Name"], value * scale))
     return out
 

@@ -181,6 +181,22 @@ def test_grads_match_oracle(backend, case):
                 is_causal=case["causal"], softcap=case["softcap"])
 
 
+# delta = <d_out, out> per row (the first backward kernel on the GPU, portable/bwd_preprocess.cuh)
+# reads a row in the widest vector that head_dim_v, the strides and the alignment allow, over
+# a power-of-two group of lanes: value head sizes that give each width (bf16 16-byte vectors of
+# 8, then 4, 2, 1 elements; float32 4, then 2, 1), a group of 4 lanes for 3 vectors, and more
+# vectors than a warp has lanes (float32 at 200: 50 vectors, two per lane). Sq * H = 600 rows
+# per sequence span several blocks and end inside one.
+PREPROCESS_DV = {"dv128": 128, "dv24": 24, "dv12": 12, "dv6": 6, "dv3": 3, "dv200": 200}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("dv", list(PREPROCESS_DV))
+def test_delta_at_every_vector_width(backend, dtype, dv):
+    check_grads(3, 150, 90, 4, 2, 16, PREPROCESS_DV[dv], DTYPES[dtype], [90, 0, 41], seed=11,
+                is_causal=True)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_lse_cotangent_alone(backend, dtype):
     """A cotangent on lse only (out's is zero) still reaches query and key (d_value is 0)."""
