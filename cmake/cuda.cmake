@@ -39,14 +39,15 @@ if(NOT JAX_VARLEN_CUDA_UNITS MATCHES "^(entry-point|instantiation)$")
 endif()
 
 # jax_varlen_instantiate(<list> <header> <function> ELEMS <ctype:tag>... [DIMS <bucket>...]
-#                        [PARAMS <struct>])
+#                        [PARAMS <struct>] [PER_ELEM])
 # instantiates the entry point <function><ctype[, bucket]>(const <struct>&, cudaStream_t)
 # defined in <header> (struct: AttentionParams unless given, BackwardParams for the backward)
 # for every dtype (and head-dim bucket, when DIMS is given), in generated .cu files appended to
 # <list>: one file for them all (<name>.cu) or one each (<name>_<tag>[_d<bucket>].cu), as
-# JAX_VARLEN_CUDA_UNITS says.
+# JAX_VARLEN_CUDA_UNITS says; PER_ELEM: at least one per dtype (<name>_<tag>.cu), for an entry
+# point so long to compile that one file would be the build's longest pole.
 function(jax_varlen_instantiate out_var header function)
-  cmake_parse_arguments(PARSE_ARGV 3 arg "" "PARAMS" "ELEMS;DIMS")
+  cmake_parse_arguments(PARSE_ARGV 3 arg "PER_ELEM" "PARAMS" "ELEMS;DIMS")
   if(NOT arg_PARAMS)
     set(arg_PARAMS AttentionParams)
   endif()
@@ -78,8 +79,14 @@ function(jax_varlen_instantiate out_var header function)
         string(APPEND lines "${line}")
       endif()
     endforeach()
+    if(arg_PER_ELEM AND JAX_VARLEN_CUDA_UNITS STREQUAL "entry-point")
+      set(file "${instantiation_dir}/${name}_${tag}.cu")
+      file(CONFIGURE OUTPUT "${file}" CONTENT "#include \"${header}\"\n${lines}")
+      list(APPEND files "${file}")
+      set(lines "")
+    endif()
   endforeach()
-  if(JAX_VARLEN_CUDA_UNITS STREQUAL "entry-point")
+  if(JAX_VARLEN_CUDA_UNITS STREQUAL "entry-point" AND NOT arg_PER_ELEM)
     set(file "${instantiation_dir}/${name}.cu")
     file(CONFIGURE OUTPUT "${file}" CONTENT "#include \"${header}\"\n${lines}")
     list(APPEND files "${file}")
@@ -101,10 +108,20 @@ jax_varlen_instantiate(sm80_sources cuda/sm80/bwd_tc.cuh jax_varlen::cuda::sm80:
                        ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets} PARAMS BackwardParams)
 jax_varlen_instantiate(sm80_sources cuda/portable/bwd_simt.cuh jax_varlen::cuda::portable::run_bwd_simt
                        ELEMS "float:f32" ${tensor_core_elems} PARAMS BackwardParams)
+# Static libraries of kernels rather than sources of the module: the archive step puts each
+# kernel file one edge further from the module than the module's own files, so Ninja (1.12
+# on, critical-path order) starts the kernel files -- the build's longest -- first and the
+# short host files fill the cores at the end. Started last, as the module's sources were, the
+# longest (the Hopper forward's) ran alone at the end: benchmarks/NOTES.md has the timings.
+add_library(jax_varlen_sm80 STATIC ${sm80_sources})
+target_include_directories(jax_varlen_sm80 PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/ffi")
+target_compile_options(jax_varlen_sm80 PRIVATE --expt-relaxed-constexpr -O3)
+set_target_properties(jax_varlen_sm80 PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}"
+                                                 POSITION_INDEPENDENT_CODE ON)
 
 # The Hopper path (ffi/cuda/sm90/): CuTe/CUTLASS headers from the nvidia-cutlass package (a build
 # requirement), compiled for sm_90a only, as its own object library, when 90a is a target.
-set(sm90_objects "")
+set(sm90_library "")
 if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
   execute_process(
     COMMAND "${Python_EXECUTABLE}" -c
@@ -113,7 +130,7 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
   if(cutlass_found EQUAL 0 AND EXISTS "${CUTLASS_INCLUDE_DIR}/cute/tensor.hpp")
     set(sm90_sources "")
     jax_varlen_instantiate(sm90_sources cuda/sm90/fwd_sm90.cuh jax_varlen::cuda::sm90::run_fwd_sm90
-                           ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets})
+                           ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets} PER_ELEM)
     # The backward's buckets: those up to kBwdSm90MaxHeadDim (limits.h).
     file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/plan/limits.h" bwd_max_line REGEX "kBwdSm90MaxHeadDim =")
     string(REGEX REPLACE ".*= *([0-9]+).*" "\\1" bwd_max "${bwd_max_line}")
@@ -125,11 +142,11 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
     endforeach()
     jax_varlen_instantiate(sm90_sources cuda/sm90/bwd_sm90.cuh jax_varlen::cuda::sm90::run_bwd_sm90
                            ELEMS ${tensor_core_elems} DIMS ${bwd_buckets} PARAMS BackwardParams)
-    add_library(jax_varlen_sm90 OBJECT ${sm90_sources})
+    add_library(jax_varlen_sm90 STATIC ${sm90_sources})  # a static library: see jax_varlen_sm80
     target_include_directories(jax_varlen_sm90 PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/ffi" "${CUTLASS_INCLUDE_DIR}")
     target_compile_options(jax_varlen_sm90 PRIVATE --expt-relaxed-constexpr -O3)
     set_target_properties(jax_varlen_sm90 PROPERTIES CUDA_ARCHITECTURES "90a-real" POSITION_INDEPENDENT_CODE ON)
-    set(sm90_objects $<TARGET_OBJECTS:jax_varlen_sm90>)
+    set(sm90_library jax_varlen_sm90)
     target_compile_definitions(_jax_varlen PRIVATE JAX_VARLEN_WITH_SM90)
     message(STATUS "jax_varlen: Hopper (sm_90a) path with CUTLASS headers from ${CUTLASS_INCLUDE_DIR}")
   else()
@@ -137,11 +154,11 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
   endif()
 endif()
 
-target_sources(_jax_varlen PRIVATE ffi/xla/cuda.cu ffi/cuda/dispatch.cu ${sm80_sources} ${sm90_objects})
+target_sources(_jax_varlen PRIVATE ffi/xla/cuda.cu ffi/cuda/dispatch.cu)
 target_compile_definitions(_jax_varlen PRIVATE JAX_VARLEN_WITH_CUDA)
 target_compile_options(_jax_varlen PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -O3>)
-target_link_libraries(_jax_varlen PRIVATE CUDA::cudart_static)
+target_link_libraries(_jax_varlen PRIVATE jax_varlen_sm80 ${sm90_library} CUDA::cudart_static)
 set_target_properties(_jax_varlen PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
 message(STATUS "jax_varlen: building CUDA kernels for ${CMAKE_CUDA_ARCHITECTURES}, one .cu file "
                "per ${JAX_VARLEN_CUDA_UNITS} (${host_cores} cores)")

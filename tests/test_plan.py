@@ -76,12 +76,10 @@ def test_portable_calls_take_no_workspace(case):
             assert workspaces(p) == (0, 0) and p["bwd_block_m"] == 0
 
 
-def test_one_pass_workspace_is_the_unit_counter(monkeypatch):
+def test_one_pass_workspace_is_the_unit_counter():
     """Calls the Hopper forward could take get one word per pack for its unit counter (dynamic
-    units), whatever the device, the build and the switch; portable calls none. Dynamic units
-    are the Hopper path's default, never another path's nor a paged call's;
-    JAX_VARLEN_DYNAMIC_UNITS=0 turns them off (the workspace stays)."""
-    monkeypatch.delenv("JAX_VARLEN_DYNAMIC_UNITS", raising=False)
+    units), whatever the device and the build; portable calls none. Dynamic units are every
+    unpaged Hopper call's, never another path's nor a paged call's."""
     for major in (0, 8, 9):
         p = plan(Sq=300, compute_major=major)
         assert p["fwd_workspace_per_pack"] == 1
@@ -90,9 +88,6 @@ def test_one_pass_workspace_is_the_unit_counter(monkeypatch):
     assert plan(Sq=300, dtype="float32")["fwd_workspace_per_pack"] == 0
     assert plan(Sq=300, Skv=0)["fwd_workspace_per_pack"] == 0  # no key row: never the Hopper path
     assert not plan(Sq=4, compute_major=9)["dynamic_units"]  # split-KV
-    monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "0")
-    p = plan(Sq=300, compute_major=9)
-    assert not p["dynamic_units"] and p["fwd_workspace_per_pack"] == 1
 
 
 def test_hopper_key_tile_follows_the_band(monkeypatch):
@@ -119,12 +114,10 @@ def test_hopper_key_tile_follows_the_band(monkeypatch):
     assert plan(Sq=300, Skv=2048, page_size=64, compute_major=9, is_causal=True)["fwd_block_n"] == 176
 
 
-def test_lean_units_switch(monkeypatch):
-    """Lean units (on by default; JAX_VARLEN_LEAN_UNITS=0 turns them off) need dynamic units
-    and a kernel that carries them: d64, and d128 with the banded calls' 128-key tile, never
-    d128's 176-key tile or d256. They change no workspace."""
-    for name in ("JAX_VARLEN_LEAN_UNITS", "JAX_VARLEN_DYNAMIC_UNITS"):
-        monkeypatch.delenv(name, raising=False)
+def test_lean_units_where_the_kernels_have_them(monkeypatch):
+    """Lean units: every dynamic-units call on a kernel that carries them -- d64, and d128 with
+    the banded calls' 128-key tile, never d128's 176-key tile or d256 -- and no other. They
+    change no workspace."""
     sm90 = _ffi.extension().with_sm90
     for D, causal, lean in ((64, False, True), (128, True, True), (128, False, False), (256, True, False)):
         p = plan(Sq=300, D=D, compute_major=9, is_causal=causal)
@@ -132,12 +125,10 @@ def test_lean_units_switch(monkeypatch):
         assert workspaces(p) == workspaces(plan(Sq=300, D=D, compute_major=9))
     assert not plan(Sq=300, compute_major=8, is_causal=True)["lean_units"]
     assert not plan(Sq=4, compute_major=9, is_causal=True)["lean_units"]  # split-KV
-    monkeypatch.setenv("JAX_VARLEN_LEAN_UNITS", "0")
-    assert not plan(Sq=300, compute_major=9, is_causal=True)["lean_units"]
-    monkeypatch.setenv("JAX_VARLEN_LEAN_UNITS", "1")  # any value but 0 leaves them on
-    assert plan(Sq=300, compute_major=9, is_causal=True)["lean_units"] == sm90
-    monkeypatch.setenv("JAX_VARLEN_DYNAMIC_UNITS", "0")
-    assert not plan(Sq=300, compute_major=9, is_causal=True)["lean_units"]  # static units
+    if sm90:  # a paged call on the Hopper forward (a build without it cannot plan one): static units
+        monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
+        p = plan(Sq=300, Skv=2048, page_size=64, compute_major=9, is_causal=True)
+        assert not p["lean_units"] and not p["dynamic_units"]
 
 
 def test_split_workspace_size():

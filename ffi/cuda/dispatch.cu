@@ -14,8 +14,9 @@
 //                                        path, odd head sizes)
 // Paged calls (block_table set) take the sm80 split row, or the sm90 one pass where the plan
 // allows it (JAX_VARLEN_PAGED_SM90): both kernels read the pages in place.
-// Packed calls (cu_seqlens set) run portable/packed_fill.cuh first (the rows no sequence owns),
-// then the same kernels as padded ones (every kernel reads sequences through SeqlenInfo).
+// Packed calls (cu_seqlens set) run portable/packed_fill.cuh first (the rows no sequence owns;
+// the unpaged Hopper forward zeroes its query rows from idle warps instead), then the same
+// kernels as padded ones (every kernel reads sequences through SeqlenInfo).
 // Backward (after portable/bwd_preprocess.cuh, for every path):
 //   sm90          compute capability 9,  the tensor-core shapes, a bucket up to      sm90::run_bwd_sm90
 //                 built with sm_90a      kBwdSm90MaxHeadDim, Sq, Skv >= 1, extents
@@ -174,11 +175,16 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   last_dynamic_units.store(path == FwdPath::kSm90OnePass && p.dynamic_units, std::memory_order_relaxed);
   last_fwd_block_n.store(path == FwdPath::kSm90OnePass ? p.fwd_block_n : 0, std::memory_order_relaxed);
   last_lean_units.store(path == FwdPath::kSm90OnePass && p.lean_units, std::memory_order_relaxed);
-  if (p.cu_seqlens_q != nullptr) {
+  // The packed layout's unowned query rows (portable/packed_fill.cuh): the Hopper forward's
+  // idle producer warps zero them while it computes (not when all four gather pages); any
+  // other call runs the fill kernel first.
+  const bool launches = p.batch > 0 && p.seqlen_q > 0;  // else no sequence has a query row
+  const bool fills_itself = launches && path == FwdPath::kSm90OnePass && p.block_table == nullptr;
+  if (p.cu_seqlens_q != nullptr && !fills_itself) {
     const cudaError_t err = run_packed_fill(p, stream);
     if (err != cudaSuccess) return err;
   }
-  if (p.batch == 0 || p.seqlen_q == 0) return cudaSuccess;  // no sequence has a query row
+  if (!launches) return cudaSuccess;
   return fn(p, stream);
 }
 

@@ -64,8 +64,8 @@ struct Plan {
   int64_t split_keys = 0;
   int64_t fwd_workspace_per_pack = 0;
   // The Hopper forward hands out its units by an atomic counter (fwd_sm90.cuh) instead of the
-  // static snake (on by default: +15% on mixed-serve, H100; JAX_VARLEN_DYNAMIC_UNITS=0 turns it
-  // off, to compare).
+  // static snake: every unpaged call it takes (+15% on mixed-serve, H100, benchmarks/NOTES.md;
+  // a paged call's kernel keeps the snake).
   bool dynamic_units = false;
   // Pack-GQA on the Hopper forward (params.h): the call may pack the query heads of a kv-head
   // group into one tile for its short sequences (JAX_VARLEN_PACK_GQA=0 turns it off, to compare);
@@ -74,11 +74,10 @@ struct Plan {
   // The Hopper forward's keys per tile (limits.h, fwd_sm90_block_n); 0 on other paths. A paged
   // call keeps the bucket's widest (its kernels are compiled for that alone).
   int fwd_block_n = 0;
-  // Lean units (on by default: H100 mixed-serve +5%, docs-causal-d64 +7%, docs-causal +2%;
-  // JAX_VARLEN_LEAN_UNITS=0 turns them off, to compare): with dynamic units, on the kernels of
-  // limits.h's fwd_sm90_lean_kernels, the producer decodes each unit once for the consumers,
-  // and a consumer warpgroup whose rows all lie past a unit's only follows the barriers for it
-  // (sm90/fwd_sm90.cuh, kLean). Bitwise the same results as the kernels without them.
+  // Lean units (+5% on mixed-serve, +7% docs-causal-d64, H100): with dynamic units, on the
+  // kernels of limits.h's fwd_sm90_lean_kernels -- the only unpaged kernels of those traits --,
+  // the producer decodes each unit once for the consumers, and a consumer warpgroup whose rows
+  // all lie past a unit's only follows the barriers for it (sm90/fwd_sm90.cuh).
   bool lean_units = false;
   // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
   // workspace, float32 elements per pack (tiles and counters, layout: plan/limits.h); all 0
@@ -97,17 +96,13 @@ struct Plan {
 
 // Runtime switches (benchmarks/NOTES.md), environment variables read when a call is planned:
 // JAX_VARLEN_PACK_GQA=0 turns Plan::pack_gqa off (on by default); JAX_VARLEN_PAGED_SM90=1 lets
-// paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward;
-// JAX_VARLEN_DYNAMIC_UNITS=0 turns Plan::dynamic_units off (on by default);
-// JAX_VARLEN_LEAN_UNITS=0 turns Plan::lean_units off (on by default).
+// paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward.
 inline bool switch_is(const char* name, char value) {
   const char* v = std::getenv(name);
   return v != nullptr && v[0] == value && v[1] == '\0';
 }
 inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
 inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
-inline bool dynamic_units_enabled() { return !switch_is("JAX_VARLEN_DYNAMIC_UNITS", '0'); }
-inline bool lean_units_enabled() { return !switch_is("JAX_VARLEN_LEAN_UNITS", '0'); }
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
 // lowering cannot see the device, and an exported call may run on any build. A device or build
@@ -173,12 +168,11 @@ inline Plan make_plan(const PlanInputs& in) {
   else if (hopper && sm90_extents) plan.fwd_path = FwdPath::kSm90OnePass;
   else plan.fwd_path = FwdPath::kSm80OnePass;
   plan.pack_gqa = plan.fwd_path == FwdPath::kSm90OnePass && in.num_heads > in.kv_num_heads && pack_gqa_enabled();
-  plan.dynamic_units = plan.fwd_path == FwdPath::kSm90OnePass && in.page_size == 0 && dynamic_units_enabled();
+  plan.dynamic_units = plan.fwd_path == FwdPath::kSm90OnePass && in.page_size == 0;
   if (plan.fwd_path == FwdPath::kSm90OnePass) {
     const bool banded = in.is_causal || in.window_left >= 0 || in.window_right >= 0;
     plan.fwd_block_n = c::fwd_sm90_block_n(bucket, banded && in.page_size == 0);
-    plan.lean_units = plan.dynamic_units && c::fwd_sm90_lean_kernels(bucket, plan.fwd_block_n) &&
-                      lean_units_enabled();
+    plan.lean_units = plan.dynamic_units && c::fwd_sm90_lean_kernels(bucket, plan.fwd_block_n);
   }
 
   // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim and needs a query row;

@@ -119,10 +119,10 @@ NB_MODULE(_jax_varlen, m) {
         d["bwd_path"] = path_name(plan.bwd_path);
         d["split_keys"] = plan.split_keys;              // 0: one pass
         d["fwd_workspace_per_pack"] = plan.fwd_workspace_per_pack;
-        d["dynamic_units"] = plan.dynamic_units;         // Hopper forward: a unit counter (JAX_VARLEN_DYNAMIC_UNITS)
+        d["dynamic_units"] = plan.dynamic_units;         // Hopper forward: a unit counter (unpaged calls)
         d["pack_gqa"] = plan.pack_gqa;                  // Hopper forward: query heads packed (JAX_VARLEN_PACK_GQA)
         d["fwd_block_n"] = plan.fwd_block_n;            // Hopper forward: keys per tile (0: another path)
-        d["lean_units"] = plan.lean_units;              // Hopper forward: JAX_VARLEN_LEAN_UNITS
+        d["lean_units"] = plan.lean_units;              // Hopper forward: lean units (limits.h)
         d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
         d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
         return d;

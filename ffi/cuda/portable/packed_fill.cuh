@@ -1,9 +1,10 @@
 // The packed layout's rows that no sequence owns (seqlen.h, row_owned: rows past a pack's last
 // offset, or cut off by a clamped length): the kernels never write them, so dispatch.cu runs
-// these kernels first, on the same stream. Each thread decides the ownership of one row (a
-// binary search over the pack's offsets); then its warp zeroes the warp's unowned rows one by
-// one, all lanes on a row (coalesced, 16-byte stores where the layout allows). Valid offsets leave only a pack's tail unowned, so for
-// most rows the kernel is the test alone.
+// these kernels first, on the same stream -- but for the unpaged Hopper forward, whose idle
+// producer warps zero its query rows while the consumers compute (fill_by_grid). Each thread decides the ownership of one row
+// (a binary search over the pack's offsets); then its warp zeroes the warp's unowned rows one
+// by one, all lanes on a row (coalesced, 16-byte stores where the layout allows). Valid offsets
+// leave only a pack's tail unowned, so for most rows the fill is the test alone.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,41 +34,71 @@ __device__ __forceinline__ void zero_span(char* dst, int64_t bytes, int lane) {
 // rows), or its d_key and d_value (over the key rows).
 enum class Fill { kOut, kDQuery, kDKeyValue };
 
+// The warp's rows mine - lane .. mine - lane + 31 (mine: this lane's; rows past the packs' are
+// none): zero_row(r) for each that no sequence owns, in order, the whole warp on each.
+template <bool kKeys, typename ZeroRow>
+__device__ __forceinline__ void for_unowned_rows(const AttentionParams& p, int64_t mine, int lane, ZeroRow zero_row) {
+  const int64_t rows = p.num_packs * (kKeys ? p.pack_rows_k : p.pack_rows_q);
+  // Bit l: the row of lane l belongs to no sequence.
+  for (unsigned unowned = __ballot_sync(0xffffffff, mine < rows && !row_owned(p, mine, kKeys));
+       unowned != 0; unowned &= unowned - 1)
+    zero_row(mine - lane + __ffs(int(unowned)) - 1);
+}
+
+// Row r of a [rows, heads, dim] buffer with the given strides (elements), by the warp: one span
+// when the heads lie back to back (head_stride = dim), else head by head.
+__device__ __forceinline__ void zero_row_heads(void* base, int elem_bytes, int64_t r, int64_t row_stride, int64_t heads,
+                                               int64_t head_stride, int64_t dim, int lane) {
+  char* row = static_cast<char*>(base) + r * row_stride * elem_bytes;
+  if (head_stride == dim) {
+    zero_span(row, heads * dim * elem_bytes, lane);
+    return;
+  }
+  for (int64_t h = 0; h < heads; ++h) zero_span(row + h * head_stride * elem_bytes, dim * elem_bytes, lane);
+}
+
+// The fill kFill on the warp's rows mine - lane .. mine - lane + 31: the forward's unowned query
+// rows get out = 0 and lse = -inf (lse [num_packs, num_heads, pack_rows_q]: row r is (pack
+// r / rows, row r % rows)), the backward's d_query = 0, or its unowned key rows d_key = d_value
+// = 0. bp: the backward's buffers (unused by kOut, which a forward kernel runs without one).
+template <Fill kFill>
+__device__ __forceinline__ void fill_warp(const AttentionParams& p, const BackwardParams* bp, int64_t mine, int lane) {
+  const int bytes = p.dtype == DType::kF32 ? 4 : 2;
+  if constexpr (kFill == Fill::kDKeyValue) {
+    for_unowned_rows<true>(p, mine, lane, [&](int64_t r) {
+      zero_row_heads(bp->d_k, bytes, r, p.k_row_stride, p.kv_num_heads, p.k_head_stride, p.head_dim, lane);
+      zero_row_heads(bp->d_v, bytes, r, p.v_row_stride, p.kv_num_heads, p.v_head_stride, p.head_dim_v, lane);
+    });
+  } else if constexpr (kFill == Fill::kDQuery) {
+    for_unowned_rows<false>(p, mine, lane, [&](int64_t r) {
+      zero_row_heads(bp->d_q, bytes, r, p.q_row_stride, p.num_heads, p.q_head_stride, p.head_dim, lane);
+    });
+  } else {
+    for_unowned_rows<false>(p, mine, lane, [&](int64_t r) {
+      zero_row_heads(p.out, bytes, r, p.out_row_stride, p.num_heads, p.out_head_stride, p.head_dim_v, lane);
+      const int64_t pack = r / p.pack_rows_q, local = r % p.pack_rows_q;
+      for (int64_t h = lane; h < p.num_heads; h += 32) p.lse[(pack * p.num_heads + h) * p.pack_rows_q + local] = -INFINITY;
+    });
+  }
+}
+
+// The fill kFill from inside another kernel, whose idle warps run it while the others compute
+// (the Hopper forward's kOut; dispatch.cu then runs no fill kernel for the call): warp w of
+// `warps` in every CTA of the grid takes every (gridDim.x * warps)-th run of 32 rows.
+template <Fill kFill>
+__device__ __forceinline__ void fill_by_grid(const AttentionParams& p, const BackwardParams* bp, int w, int warps) {
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = p.num_packs * (kFill == Fill::kDKeyValue ? p.pack_rows_k : p.pack_rows_q);
+  const int64_t step = int64_t(gridDim.x) * warps * 32;
+  for (int64_t base = (int64_t(blockIdx.x) * warps + w) * 32; base < rows; base += step)
+    fill_warp<kFill>(p, bp, base + lane, lane);
+}
+
 // Grid (ceil(rows / kFillThreads)), rows = num_packs * pack_rows_q (or pack_rows_k for
 // kDKeyValue); thread t of block x tests row x * kFillThreads + t.
 template <Fill kFill>
 __global__ void __launch_bounds__(kFillThreads) packed_fill_kernel(const __grid_constant__ BackwardParams bp) {
-  constexpr bool kKeys = kFill == Fill::kDKeyValue;
-  const AttentionParams& p = bp.fwd;
-  const int64_t rows = p.num_packs * (kKeys ? p.pack_rows_k : p.pack_rows_q);
-  const int64_t mine = int64_t(blockIdx.x) * kFillThreads + threadIdx.x;
-  const int lane = threadIdx.x % 32;
-  const int elem_bytes = p.dtype == DType::kF32 ? 4 : 2;
-  // Bit l: the row of lane l belongs to no sequence.
-  for (unsigned unowned = __ballot_sync(0xffffffff, mine < rows && !row_owned(p, mine, kKeys));
-       unowned != 0; unowned &= unowned - 1) {
-    const int64_t r = mine - lane + __ffs(int(unowned)) - 1;
-    // Row r's heads: one span when they lie back to back (head_stride = dim), else head by head.
-    auto zero = [&](void* base, int64_t row_stride, int64_t heads, int64_t head_stride, int64_t dim) {
-      char* row = static_cast<char*>(base) + r * row_stride * elem_bytes;
-      if (head_stride == dim) {
-        zero_span(row, heads * dim * elem_bytes, lane);
-        return;
-      }
-      for (int64_t h = 0; h < heads; ++h) zero_span(row + h * head_stride * elem_bytes, dim * elem_bytes, lane);
-    };
-    if constexpr (kFill == Fill::kDKeyValue) {
-      zero(bp.d_k, p.k_row_stride, p.kv_num_heads, p.k_head_stride, p.head_dim);
-      zero(bp.d_v, p.v_row_stride, p.kv_num_heads, p.v_head_stride, p.head_dim_v);
-    } else if constexpr (kFill == Fill::kDQuery) {
-      zero(bp.d_q, p.q_row_stride, p.num_heads, p.q_head_stride, p.head_dim);
-    } else {
-      zero(p.out, p.out_row_stride, p.num_heads, p.out_head_stride, p.head_dim_v);
-      // lse [num_packs, num_heads, pack_rows_q]: row r is (pack r / rows, row r % rows).
-      const int64_t pack = r / p.pack_rows_q, local = r % p.pack_rows_q;
-      for (int64_t h = lane; h < p.num_heads; h += 32) p.lse[(pack * p.num_heads + h) * p.pack_rows_q + local] = -INFINITY;
-    }
-  }
+  fill_warp<kFill>(bp.fwd, &bp, int64_t(blockIdx.x) * kFillThreads + threadIdx.x, int(threadIdx.x % 32));
 }
 
 inline unsigned fill_blocks(int64_t rows) { return unsigned((rows + kFillThreads - 1) / kFillThreads); }

@@ -14,10 +14,11 @@
 // views, wgmma descriptors, coordinates) is built once, before that loop.
 //
 // Work unit = (sequence b, query head h, block of kBlockM query rows) -- or, for a short sequence
-// under pack-GQA, (sequence b, kv head, kBlockM rows of (query row, head of the group)) --, taken heaviest-first
-// in a snake over the persistent grid (tile_scheduler.h): the order depends only on the
-// lengths; each unit is computed whole by one CTA, in the same way wherever it runs, so
-// results are bitwise deterministic and batch invariant.
+// under pack-GQA, (sequence b, kv head, kBlockM rows of (query row, head of the group)) --, taken
+// heaviest-first (tile_scheduler.h) by the CTAs of the persistent grid from a counter (a paged
+// call's kernel: in a snake): the order depends only on the lengths; each unit is computed
+// whole by one CTA, in the same way wherever it runs, so results are bitwise deterministic and
+// batch invariant. The producer warpgroup's other warps zero the packed layout's unowned rows.
 //
 // Both layouts (params.h): TMA sees the tensors as (rows of a pack, dim, heads, packs) and a
 // unit's tiles start at its sequence's first row in the pack (SeqlenInfo; 0 in the padded
@@ -26,6 +27,7 @@
 // for padding.
 #pragma once
 
+#include "cuda/portable/packed_fill.cuh"
 #include "cuda/sm90/common.h"
 #include "cuda/sm90/fwd_epilogue.h"
 #include "cuda/sm90/fwd_load.h"
@@ -135,8 +137,9 @@ struct KernelParams {
 // 1 and 2 are the consumers.
 enum class FwdRole { kProducer, kConsumer };
 
-// Where each role's r-th unit comes from. Static: the scheduler's snake (unit_of_round), which
-// both roles compute alike. Dynamic (params.h, dynamic_units): the producer's lane 0 takes the
+// Where each role's r-th unit comes from. Static (a paged call's kernel): the scheduler's snake
+// (unit_of_round), which both roles compute alike. Dynamic (params.h, dynamic_units: every
+// other call): the producer's lane 0 takes the
 // next unit of the list from an atomic counter (the workspace's first word, zeroed before the
 // launch) -- a CTA that finishes early takes more, so no SM idles while others walk long units
 // -- and hands it to the consumers through a two-entry ring in shared memory (next_unit, on the
@@ -147,8 +150,7 @@ struct UnitSource {
   using Barrier = cutlass::arch::ClusterBarrier;
   using Sched = typename Tr::Scheduler;
   // Everything is read where it is used (kernel parameters, shared memory): no register stays
-  // live across a unit for it. A kernel of its own (kDynamic): the static kernels' producer
-  // keeps its 24 registers to the snake.
+  // live across a unit for it.
   // The producer warp's r-th unit, or -1 past the end (every lane).
   static __device__ int producer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r) {
     if constexpr (!kDynamic) return Sched::unit_of_round(r, num_units);
@@ -175,8 +177,7 @@ struct UnitSource {
   }
 };
 
-// Lean units (params.h, lean_units; the kernels of Tr::kLeanKernels; GPU-tested bitwise against
-// the kernels without them):
+// Lean units (params.h, lean_units; the unpaged kernels of Tr::kLeanKernels):
 // dynamic units whose producer decodes each unit once and hands the decoded Unit (15 ints) to
 // the consumers through the same ring (lean_unit on unit_full / unit_empty), so a unit starts on
 // a few shared loads instead of every consumer thread searching the list and reading the
@@ -215,11 +216,12 @@ struct UnitHandover {
   }
 };
 
-// kPaged: K and V gathered from a paged cache (fwd_load.h); kDynamic: units from the counter
-// (UnitSource; never with kPaged); kLean: lean units (UnitHandover, with kDynamic) and idle
-// warpgroups (FwdMma::follow), the kernels of Tr::kLeanKernels only.
-template <typename Tr, bool kSoftcap, bool kPaged, bool kDynamic, bool kLean>
+// kPaged: K and V gathered from a paged cache (fwd_load.h), static units (the snake);
+// otherwise dynamic units (the counter, UnitSource), and where Tr has lean kernels lean units
+// (UnitHandover) and idle warpgroups (FwdMma::follow).
+template <typename Tr, bool kSoftcap, bool kPaged>
 __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_constant__ KernelParams<Tr> kp) {
+  constexpr bool kDynamic = !kPaged, kLean = kDynamic && Tr::kLeanKernels;
   using Element = typename Tr::Element;
   using Sched = typename Tr::Scheduler;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -253,7 +255,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   const FwdRole role = threadIdx.x < 128 ? FwdRole::kProducer : FwdRole::kConsumer;
   if (role == FwdRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (threadIdx.x >= 32 && !kPaged) return;
+    if (threadIdx.x >= 32 && !kPaged) {
+      // Warps 1-3 have no load to issue: they zero the packed layout's unowned query rows (out,
+      // lse) while the consumers compute, so dispatch.cu runs no fill kernel before this one.
+      if (p.cu_seqlens_q != nullptr) fill_by_grid<Fill::kOut>(p, nullptr, threadIdx.x / 32 - 1, Tr::kProducerWarps - 1);
+      return;
+    }
     FwdLoad<Tr, kPaged> load(kp, ss);
     PipelineState<Tr::kStages> pipe;
     int q_iter = 0;
@@ -261,14 +268,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       Unit w;
       for (int r = 0; UnitHandover<Tr>::producer_next(kp, ss, num_units, r, w); ++r)
         if (w.n_tiles > 0) load.load(w, pipe, q_iter);  // else the consumers write zeros
-      return;
-    }
-    for (int r = 0;; ++r) {
-      const int u = Units::producer_next(kp, ss, num_units, r);
-      if (u < 0) break;
-      const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
-      if (w.n_tiles == 0) continue;  // no row may see a key: the consumers write zeros
-      load.load(w, pipe, q_iter);
+    } else {
+      for (int r = 0;; ++r) {
+        const int u = Units::producer_next(kp, ss, num_units, r);
+        if (u < 0) break;
+        const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
+        if (w.n_tiles == 0) continue;  // no row may see a key: the consumers write zeros
+        load.load(w, pipe, q_iter);
+      }
     }
     return;
   }
@@ -335,18 +342,18 @@ cudaError_t launch_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (units > INT32_MAX) return cudaErrorInvalidValue;
   kp.num_units = int(units);
   const int grid = kp.num_units < sm_count() ? kp.num_units : sm_count();
-  const bool paged = p.block_table != nullptr;  // pages gathered by the producer warps (fwd_load.h)
-  if (paged && !kWithPaged) return cudaErrorInvalidValue;
-  const bool dynamic = p.dynamic_units && !paged;
-  const bool lean = p.lean_units && dynamic;
-  if (lean && !Tr::kLeanKernels) return cudaErrorInvalidValue;  // the plan never asks
+  // Three kernels, one per kind of call (the plan's dynamic_units and lean_units say which; any
+  // other combination is an error): a paged call's (pages gathered by the producer warps,
+  // fwd_load.h; static units), else dynamic units, lean where Tr has lean kernels.
+  const bool paged = p.block_table != nullptr;
+  if (paged ? (!kWithPaged || p.dynamic_units) : (!p.dynamic_units || p.lean_units != Tr::kLeanKernels))
+    return cudaErrorInvalidValue;
+  const bool dynamic = !paged;
   auto pick = [&](auto softcap) {
     constexpr bool kSoftcap = decltype(softcap)::value;
     if constexpr (kWithPaged)
-      if (paged) return fwd_sm90_kernel<Tr, kSoftcap, true, false, false>;
-    if constexpr (Tr::kLeanKernels)
-      if (lean) return fwd_sm90_kernel<Tr, kSoftcap, false, true, true>;
-    return dynamic ? fwd_sm90_kernel<Tr, kSoftcap, false, true, false> : fwd_sm90_kernel<Tr, kSoftcap, false, false, false>;
+      if (paged) return fwd_sm90_kernel<Tr, kSoftcap, true>;
+    return fwd_sm90_kernel<Tr, kSoftcap, false>;
   };
   auto kernel = p.softcap > 0.0f ? pick(std::true_type{}) : pick(std::false_type{});
   constexpr size_t kSmem = sizeof(SharedStorage<Tr>);
