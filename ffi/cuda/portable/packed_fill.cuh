@@ -1,10 +1,11 @@
 // The packed layout's rows that no sequence owns (seqlen.h, row_owned: rows past a pack's last
 // offset, or cut off by a clamped length): the kernels never write them, so dispatch.cu runs
 // these kernels first, on the same stream -- but for the unpaged Hopper forward, whose idle
-// producer warps zero its query rows while the consumers compute (fill_by_grid). Each thread decides the ownership of one row
-// (a binary search over the pack's offsets); then its warp zeroes the warp's unowned rows one
-// by one, all lanes on a row (coalesced, 16-byte stores where the layout allows). Valid offsets
-// leave only a pack's tail unowned, so for most rows the fill is the test alone.
+// producer warps zero its query rows while the consumers compute (fill_out_by_grid). Each
+// thread decides the ownership of one row (a binary search over the pack's offsets); then its
+// warp zeroes the warp's unowned rows one by one, all lanes on a row (coalesced, 16-byte stores
+// where the layout allows). Valid offsets leave only a pack's tail unowned, so for most rows
+// the fill is the test alone.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -82,16 +83,15 @@ __device__ __forceinline__ void fill_warp(const AttentionParams& p, const Backwa
   }
 }
 
-// The fill kFill from inside another kernel, whose idle warps run it while the others compute
-// (the Hopper forward's kOut; dispatch.cu then runs no fill kernel for the call): warp w of
-// `warps` in every CTA of the grid takes every (gridDim.x * warps)-th run of 32 rows.
-template <Fill kFill>
-__device__ __forceinline__ void fill_by_grid(const AttentionParams& p, const BackwardParams* bp, int w, int warps) {
+// The forward's fill from inside its Hopper kernel (sm90/fwd_sm90.cuh), whose idle producer
+// warps run it while the consumers compute (dispatch.cu then runs no fill kernel for the
+// call): warp w of `warps` in every CTA of the grid takes every (gridDim.x * warps)-th run of
+// 32 query rows.
+__device__ __forceinline__ void fill_out_by_grid(const AttentionParams& p, int w, int warps) {
   const int lane = threadIdx.x % 32;
-  const int64_t rows = p.num_packs * (kFill == Fill::kDKeyValue ? p.pack_rows_k : p.pack_rows_q);
-  const int64_t step = int64_t(gridDim.x) * warps * 32;
+  const int64_t rows = p.num_packs * p.pack_rows_q, step = int64_t(gridDim.x) * warps * 32;
   for (int64_t base = (int64_t(blockIdx.x) * warps + w) * 32; base < rows; base += step)
-    fill_warp<kFill>(p, bp, base + lane, lane);
+    fill_warp<Fill::kOut>(p, nullptr, base + lane, lane);
 }
 
 // Grid (ceil(rows / kFillThreads)), rows = num_packs * pack_rows_q (or pack_rows_k for

@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     if (threadIdx.x >= 32 && !kPaged) {
       // Warps 1-3 have no load to issue: they zero the packed layout's unowned query rows (out,
       // lse) while the consumers compute, so dispatch.cu runs no fill kernel before this one.
-      if (p.cu_seqlens_q != nullptr) fill_by_grid<Fill::kOut>(p, nullptr, threadIdx.x / 32 - 1, Tr::kProducerWarps - 1);
+      if (p.cu_seqlens_q != nullptr) fill_out_by_grid(p, threadIdx.x / 32 - 1, Tr::kProducerWarps - 1);
       return;
     }
     FwdLoad<Tr, kPaged> load(kp, ss);
