@@ -18,7 +18,8 @@
 // heaviest-first (tile_scheduler.h) by the CTAs of the persistent grid from a counter (a paged
 // call's kernel: in a snake): the order depends only on the lengths; each unit is computed
 // whole by one CTA, in the same way wherever it runs, so results are bitwise deterministic and
-// batch invariant. The producer warpgroup's other warps zero the packed layout's unowned rows.
+// batch invariant. In an unpaged call the producer warpgroup's other warps zero the packed
+// layout's unowned query rows meanwhile.
 //
 // Both layouts (params.h): TMA sees the tensors as (rows of a pack, dim, heads, packs) and a
 // unit's tiles start at its sequence's first row in the pack (SeqlenInfo; 0 in the padded
@@ -139,12 +140,12 @@ enum class FwdRole { kProducer, kConsumer };
 
 // Where each role's r-th unit comes from. Static (a paged call's kernel): the scheduler's snake
 // (unit_of_round), which both roles compute alike. Dynamic (params.h, dynamic_units: every
-// other call): the producer's lane 0 takes the
-// next unit of the list from an atomic counter (the workspace's first word, zeroed before the
-// launch) -- a CTA that finishes early takes more, so no SM idles while others walk long units
-// -- and hands it to the consumers through a two-entry ring in shared memory (next_unit, on the
-// unit_full / unit_empty mbarriers). Either way a unit is computed whole by one CTA in the same
-// way, so results stay bitwise deterministic and batch invariant; only the placement changes.
+// other call): the producer's lane 0 takes the next unit of the list from an atomic counter
+// (the workspace's first word, zeroed before the launch) -- a CTA that finishes early takes
+// more, so no SM idles while others walk long units -- and hands it to the consumers through a
+// two-entry ring in shared memory (next_unit, on the unit_full / unit_empty mbarriers). Either
+// way a unit is computed whole by one CTA in the same way, so results stay bitwise
+// deterministic and batch invariant; only the placement changes.
 template <typename Tr, bool kDynamic>
 struct UnitSource {
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -342,9 +343,10 @@ cudaError_t launch_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (units > INT32_MAX) return cudaErrorInvalidValue;
   kp.num_units = int(units);
   const int grid = kp.num_units < sm_count() ? kp.num_units : sm_count();
-  // Three kernels, one per kind of call (the plan's dynamic_units and lean_units say which; any
-  // other combination is an error): a paged call's (pages gathered by the producer warps,
-  // fwd_load.h; static units), else dynamic units, lean where Tr has lean kernels.
+  // Two kernels per softcap flavour: a paged call's (pages gathered by the producer warps,
+  // fwd_load.h; static units) and every other call's (dynamic units; lean units where Tr has
+  // lean kernels). The plan's dynamic_units and lean_units must say the same: any other
+  // combination is an error, never another kernel.
   const bool paged = p.block_table != nullptr;
   if (paged ? (!kWithPaged || p.dynamic_units) : (!p.dynamic_units || p.lean_units != Tr::kLeanKernels))
     return cudaErrorInvalidValue;
