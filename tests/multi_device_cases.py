@@ -445,6 +445,24 @@ def test_sequence_parallel_is_deterministic_and_replicated():
     assert all(len(v) == 1 for v in shards.values())
 
 
+def test_sequence_parallel_eager_calls_reuse_one_program():
+    """Called eagerly, the op builds its jitted shard_map once per (mesh, axes, config):
+    repeated calls -- a decode loop outside jit -- reuse it instead of tracing a new closure
+    each time (about 6 s a call on these 8 CPU devices before), with the same bits as the
+    op under the user's jit."""
+    from jax_varlen import _seqpar
+
+    q, k, v, n = make_inputs(B, 1, SP_SKV, 8, 2, D, DV, jnp.float32, SP_LENGTHS, seed=21)
+    kw = dict(mesh=_sp_mesh(), axis_name="s", return_lse=True)
+    first = jax_varlen.sequence_parallel_attention(q, k, v, n, **kw)
+    hits = _seqpar._sharded_call.cache_info().hits
+    again = jax_varlen.sequence_parallel_attention(q, k, v, n, **kw)
+    assert _seqpar._sharded_call.cache_info().hits == hits + 1
+    jitted = jax.jit(functools.partial(jax_varlen.sequence_parallel_attention, **kw))(q, k, v, n)
+    for a, b_ in ((first, again), (first, jitted)):
+        assert bits(a[0]) == bits(b_[0]) and bits(a[1]) == bits(b_[1])
+
+
 @pytest.mark.parametrize(
     "sq, heads, causal, batch_axis, explicit",
     [(1, (8, 2), True, "b", False), (4, (4, 4), False, None, True)],
