@@ -139,8 +139,7 @@ def sequence_parallel_attention(
             )
 
     b, h = _entry(batch), _entry(heads)
-    args = (query, key, value, lengths)
-    out, lse = _sharded_call(mesh, axis_name, b, h, config)(*args)
+    out, lse = _sharded_call(mesh, axis_name, b, h, config)(query, key, value, lengths)
     if sinks is not None:  # once, on the merged row (every query row is real here)
         out, lse = with_sinks(out, lse, sinks)
     if rank == 3:
