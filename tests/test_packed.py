@@ -94,12 +94,27 @@ def test_equals_padded_batch_bitwise(backend):
 # Against the independent oracle.
 
 
+@functools.cache
+def _jit_oracle(kw_key):
+    """packed_reference (out, lse) under jit, and its pullback: one compilation per shape
+    rather than one per eager op (eager float64 ops cost seconds per new shape)."""
+    kw = dict(kw_key)
+
+    def forward(q, k, v, cu_q, cu_k):
+        return jax_varlen.packed_reference(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+
+    def pullback(q, k, v, cu_q, cu_k, ct_out, ct_lse):
+        return jax.vjp(lambda q, k, v: forward(q, k, v, cu_q, cu_k), q, k, v)[1]((ct_out, ct_lse))
+
+    return jax.jit(forward), jax.jit(pullback)
+
+
 def _oracle(q, k, v, cu_q, cu_k, **kw):
     cpu = jax.devices("cpu")[0]
     with jax.enable_x64(True):
         args = [jax.device_put(np.asarray(x, np.float64), cpu) for x in (q, k, v)]
         cus = [jax.device_put(np.asarray(c), cpu) for c in (cu_q, cu_k)]
-        out, lse = jax_varlen.packed_reference(*args, *cus, return_lse=True, **kw)
+        out, lse = _jit_oracle(tuple(sorted(kw.items())))[0](*args, *cus)
         return np.asarray(out, np.float64), np.asarray(lse, np.float64)
 
 
@@ -108,10 +123,8 @@ def _oracle_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, **kw):
     with jax.enable_x64(True):
         args = [jax.device_put(np.asarray(x, np.float64), cpu) for x in (q, k, v, ct_out)]
         cus = [jax.device_put(np.asarray(c), cpu) for c in (cu_q, cu_k)]
-        def f(q, k, v):
-            return jax_varlen.packed_reference(q, k, v, *cus, return_lse=True, **kw)
-
-        grads = jax.vjp(f, *args[:3])[1]((args[3], jax.device_put(np.asarray(ct_lse), cpu)))
+        ct_lse = jax.device_put(np.asarray(ct_lse), cpu)
+        grads = _jit_oracle(tuple(sorted(kw.items())))[1](*args[:3], *cus, args[3], ct_lse)
         return [np.asarray(g, np.float64) for g in grads]
 
 

@@ -308,15 +308,15 @@ def test_sinks_gradient_matches_the_formula_and_finite_differences():
         return jnp.sum(reference(q, k, v, n, is_causal=True, sinks=sinks) * d_out)
 
     with jax.default_matmul_precision("highest"):
-        d_sinks = jax.grad(loss)(sinks, q, k, v)
+        d_sinks = jax.jit(jax.grad(loss))(sinks, q, k, v)
         out, lse = reference(q, k, v, n, is_causal=True, sinks=sinks, return_lse=True)
     rowsum = jnp.sum(d_out * out, axis=-1).transpose(0, 2, 1)  # [B, H, Sq]
     want = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * rowsum, axis=(0, 2))
     np.testing.assert_allclose(d_sinks, want, atol=1e-5, rtol=1e-5)
     with jax.enable_x64(True):
         args = [jnp.asarray(np.asarray(x), jnp.float64) for x in (sinks, q, k, v)]
-        check_grads(lambda s, q, k, v: jnp.sum(reference(q, k, v, n, is_causal=True, sinks=s)
-                                               * np.asarray(d_out)), args, order=1,
+        check_grads(jax.jit(lambda s, q, k, v: jnp.sum(
+            reference(q, k, v, n, is_causal=True, sinks=s) * np.asarray(d_out))), args, order=1,
                     modes=("rev",), atol=1e-6, rtol=1e-6)
 
 

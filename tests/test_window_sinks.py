@@ -163,6 +163,17 @@ def _allowed(Sq, Skv, n_kv, n_q, causal, left, right):
 _SIDES = [None, 0, 1, 2, 3]
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_and_both_passes(attn, q0, k_onehot, v_eye, v_rand, d_out):
+    """One program: ``attn``'s output on (q0, one-hot keys, identity values), the jacobian of
+    its column 0 in the values ([B, S, B, S, 1, D]: the d_value pass) and the gradient of
+    sum(out * d_out) in the query (the d_query pass)."""
+    out = attn(q0, k_onehot, v_eye)
+    jac = jax.jacrev(lambda v: attn(q0, k_onehot, v)[:, :, 0, 0])(v_eye)
+    d_q = jax.grad(lambda q: jnp.sum(attn(q, k_onehot, v_rand) * d_out))(q0)
+    return out, jac, d_q
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_mask_bounds_exhaustively(causal):
     """Every window side in {unbounded, 0..3}, every query count m and key count n in 0..8
@@ -189,16 +200,16 @@ def test_mask_bounds_exhaustively(causal):
                                  is_causal=causal, local_window_size=window)
         want = _allowed(S, S, n_kv, n_q, causal, left, right)
         what = f"window ({left}, {right})"
-        out = np.asarray(attn(q0, k_onehot, v_eye))[:, :, 0, :S]
+        out, jac, d_q = (np.asarray(x) for x in _forward_and_both_passes(attn, q0, k_onehot,
+                                                                          v_eye, v_rand, d_out))
+        out = out[:, :, 0, :S]
         np.testing.assert_array_equal(out > 0, want, err_msg=f"forward, {what}")
         counts_per_row = want.sum(-1, keepdims=True)
         np.testing.assert_allclose(out, np.where(want, 1 / np.maximum(counts_per_row, 1), 0),
                                    rtol=1e-6, err_msg=f"forward weights, {what}")
-        jac = jax.jacrev(lambda v: attn(q0, k_onehot, v)[:, :, 0, 0])(v_eye)  # [B, S, B, S, 1, D]
-        p = np.asarray(jac)[np.arange(B), :, np.arange(B), :, 0, 0]  # [B, S, S]
+        p = jac[np.arange(B), :, np.arange(B), :, 0, 0]  # [B, S, S]
         np.testing.assert_array_equal(p > 0, want, err_msg=f"d_value pass, {what}")
-        d_q = jax.grad(lambda q: jnp.sum(attn(q, k_onehot, v_rand) * d_out))(q0)
-        ds = np.asarray(d_q)[:, :, 0, :S]
+        ds = d_q[:, :, 0, :S]
         assert not (ds != 0)[~want].any(), f"d_query pass, {what}: a disallowed key counted"
         np.testing.assert_array_equal((ds != 0)[counts_per_row[..., 0] >= 2],
                                       want[counts_per_row[..., 0] >= 2],
