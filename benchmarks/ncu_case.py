@@ -8,13 +8,16 @@ compiles), so `--launch-count 2` per shape profiles a warm launch too. A shape's
 rows (lengths_q) go in as nonpad_q_seqlen; --packed calls packed_attention on the shape's valid
 tokens instead (bench.Packed, as the benchmark's jax_varlen_packed); --fa3 with --packed runs
 FA3's flash_mha_varlen on the same tokens instead (the peer's kernel, side by side with ours in
-another ncu run; its kernels match -k "regex:flash|Flash|device_kernel"). --runs N: N calls instead
+another ncu run; its kernels match -k "regex:flash|Flash|device_kernel"). A paged shape
+(decode-paged) runs paged_attention on bench.Paged's shuffled cache, or with --fa3
+flash_mha_with_kvcache with page_table (bench's fa3_paged, its default num_splits). --runs N: N calls instead
 of 2 (kernel_times.py finds one call's kernels as the launches that repeat at the end). With --grad each call
 is the gradient of sum(out * dO) (forward and backward kernels, e.g. -k "regex:bwd_"). Without
 XLA_PYTHON_CLIENT_PREALLOCATE=false, ncu saves and restores JAX's whole memory pool around
 every replay pass.
 """
 
+import functools
 import sys
 
 import jax
@@ -28,13 +31,22 @@ def call(jax_varlen, shape, packed, fa3=False):
     or FA3's with `fa3`."""
     inputs = bench.make_set(shape, jax.numpy.bfloat16, 0, 0)
     causal = shape["causal"]
+    scale = shape["D"] ** -0.5
+    if shape.get("layout") == "paged":
+        paged_args = bench.Paged(shape).pack(*inputs)
+        if fa3:
+            fns, error = bench.fa3_fn()
+            if fns is None:
+                sys.exit(error)
+            return functools.partial(fns[2], scale=scale, is_causal=causal), paged_args
+        return functools.partial(bench.jax_varlen_paged_fn(jax_varlen), scale=scale,
+                                 is_causal=causal), paged_args
     if packed:
         pk = bench.Packed(shape)
         if fa3:
             fns, error = bench.fa3_fn()
             if fns is None:
                 sys.exit(error)
-            scale = shape["D"] ** -0.5
             return (lambda q, k, v, cq, ck: fns[1](q, k, v, cq, ck, scale=scale, is_causal=causal,
                                                     **pk.hints)), pk.pack(*inputs)
         return (lambda q, k, v, cq, ck: jax_varlen.packed_attention(

@@ -63,6 +63,19 @@ def test_split_kv_for_short_queries_in_16_bit(dtype):
         assert plan(dtype, Sq=Sq)["split_keys"] == 0
 
 
+def test_split_chunk_knob(monkeypatch):
+    """JAX_VARLEN_SPLIT_KEYS (a benchmark knob) sets the chunk to a multiple of 128 keys in
+    [128, 8192], and the workspace follows it; any other value keeps the default."""
+    default = plan(Skv=4100)
+    for value, want in (("2048", 2048), ("128", 128), ("8192", 8192), ("100", None),
+                        ("1000", None), ("16384", None), ("2048x", None), ("", None)):
+        monkeypatch.setenv("JAX_VARLEN_SPLIT_KEYS", value)
+        got = plan(Skv=4100)
+        assert got["split_keys"] == (want or default["split_keys"]), value
+        chunks = -(-4100 // got["split_keys"])  # partials: [Hkv, chunks, 16 rows] of Dv + 1
+        assert got["fwd_workspace_per_pack"] == 2 * chunks * 16 * (128 + 1), value
+
+
 @pytest.mark.parametrize("case", ["float32", "odd-head-dim", "odd-value-head-dim"])
 def test_portable_calls_take_no_workspace(case):
     """Float32 and head sizes off the multiples of 8 run the portable kernels at any query

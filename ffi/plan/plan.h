@@ -103,6 +103,16 @@ inline bool switch_is(const char* name, char value) {
 }
 inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
 inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
+// JAX_VARLEN_SPLIT_KEYS=n, a multiple of 128 in [128, 8192], sets the split-KV chunk (a
+// benchmark knob: the chunk stays one constant per process, so results stay batch invariant);
+// unset or anything else: kSplitKeys.
+inline int64_t split_keys_setting() {
+  const char* v = std::getenv("JAX_VARLEN_SPLIT_KEYS");
+  if (v == nullptr) return cuda::kSplitKeys;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return end != v && *end == '\0' && n >= 128 && n <= 8192 && n % 128 == 0 ? n : cuda::kSplitKeys;
+}
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
 // lowering cannot see the device, and an exported call may run on any build. A device or build
@@ -155,7 +165,7 @@ inline Plan make_plan(const PlanInputs& in) {
   // Forward. Short queries (decode) take split-KV: its chunks spread a long key range over the
   // GPU where a one-pass grid would have a block or two per sequence.
   if (tensor_core_shapes && in.seqlen_q <= c::kSplitMaxSeqlenQ) {
-    plan.split_keys = c::kSplitKeys;
+    plan.split_keys = split_keys_setting();
     plan.fwd_workspace_per_pack =
         in.pack_seqs * c::split_partials_per_seq(in.seqlen_q, in.seqlen_k, in.num_heads, in.kv_num_heads,
                                                  plan.split_keys) *

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "cuda/sm80/softmax.h"
 #include "cuda/sm80/split_layout.h"
@@ -29,15 +30,17 @@
 
 namespace jax_varlen::cuda::sm80 {
 
-template <int kHeadDim_>
+template <int kHeadDim_, int kBlockN_ = (kHeadDim_ <= 128 ? 32 : 16)>
 struct SplitTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16;                           // packed rows per block (one MMA tile)
   static_assert(kRows == kSplitRowBlock, "the workspace pads rows to whole blocks (limits.h)");
-  static constexpr int kBlockN = kHeadDim <= 128 ? 32 : 16;  // keys per warp tile
-  // Three 68 KB blocks per SM for D <= 128 (12 warps streaming; registers capped at 170).
+  static constexpr int kBlockN = kBlockN_;  // keys per warp tile
+  // Registers capped at 170 for D <= 128 (three blocks' worth). EXPERIMENT (session
+  // 2026-12-06 e): only 68 KB blocks (kBlockN * kHeadDim <= 2048) fit three per SM; d128 with
+  // 32-key tiles is 132 KB, one block per SM.
   static constexpr int kMinBlocksPerSm = kHeadDim <= 128 ? 3 : 1;
   // Each warp is a team with a two-stage ring, Q in registers.
   using Mainloop = MainloopTraits<kHeadDim, /*kMTiles=*/1, kBlockN, /*kKeyStep=*/kWarps * kBlockN, /*kStages=*/2,
@@ -52,10 +55,9 @@ struct SplitTraits {
   static_assert(kSplitKeys % (kWarps * kBlockN) == 0);
 };
 
-template <typename Elem, int kHeadDim, bool kSoftcap, bool kPaged>
-__global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<kHeadDim>::kMinBlocksPerSm)
+template <typename Elem, int kHeadDim, bool kSoftcap, bool kPaged, typename Tr = SplitTraits<kHeadDim>>
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
     fwd_split_kernel(const __grid_constant__ AttentionParams p) {
-  using Tr = SplitTraits<kHeadDim>;
   using Ml = typename Tr::Mainloop;
   constexpr int kDT = kHeadDim / 8;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -159,17 +161,16 @@ __global__ void __launch_bounds__(SplitTraits<kHeadDim>::kThreads, SplitTraits<k
   }
 }
 
-template <typename Elem, int kHeadDim>
-cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream) {
-  using Tr = SplitTraits<kHeadDim>;
+template <typename Elem, int kHeadDim, typename Tr>
+cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
   const int64_t group = p.num_heads / p.kv_num_heads;
   const int64_t row_blocks = rows_padded(p) / Tr::kRows;
   const dim3 grid(unsigned(max_splits(p)), unsigned(p.kv_num_heads * row_blocks), unsigned(p.batch));
   const bool paged = p.block_table != nullptr;
-  auto kernel = p.softcap > 0.0f ? (paged ? fwd_split_kernel<Elem, kHeadDim, true, true>
-                                          : fwd_split_kernel<Elem, kHeadDim, true, false>)
-                                 : (paged ? fwd_split_kernel<Elem, kHeadDim, false, true>
-                                          : fwd_split_kernel<Elem, kHeadDim, false, false>);
+  auto kernel = p.softcap > 0.0f ? (paged ? fwd_split_kernel<Elem, kHeadDim, true, true, Tr>
+                                          : fwd_split_kernel<Elem, kHeadDim, true, false, Tr>)
+                                 : (paged ? fwd_split_kernel<Elem, kHeadDim, false, true, Tr>
+                                          : fwd_split_kernel<Elem, kHeadDim, false, false, Tr>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes));
   if (err != cudaSuccess) return err;
   if (grid.x > 0) kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);  // Skv = 0: merge only
@@ -177,6 +178,17 @@ cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream) {
   const dim3 combine_grid(unsigned(p.seqlen_q * group), unsigned(p.kv_num_heads), unsigned(p.batch));
   fwd_combine_kernel<Elem, kHeadDim><<<combine_grid, 32 * kCombineWarps, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+// EXPERIMENT (session 2026-12-06 e): JAX_VARLEN_SPLIT_TILE=16 runs d128 on 16-key tiles.
+template <typename Elem, int kHeadDim>
+cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (kHeadDim == 128) {
+    const char* v = std::getenv("JAX_VARLEN_SPLIT_TILE");
+    if (v != nullptr && v[0] == '1' && v[1] == '6' && v[2] == '\0')
+      return run_fwd_split_with<Elem, kHeadDim, SplitTraits<kHeadDim, 16>>(p, stream);
+  }
+  return run_fwd_split_with<Elem, kHeadDim, SplitTraits<kHeadDim>>(p, stream);
 }
 
 }  // namespace jax_varlen::cuda::sm80
