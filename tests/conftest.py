@@ -68,6 +68,10 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The multi-device cases (a subprocess of their own, 15-40 s each on the 2-core machine)
+    # first, so that under `pytest -n auto` they overlap the many short tests instead of being
+    # the last worker's tail; the rest keep their order.
+    items.sort(key=lambda item: not item.name.startswith("test_multi_device"))
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
