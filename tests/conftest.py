@@ -10,11 +10,14 @@ import functools
 import itertools
 import os
 
+# Whether this machine has an NVIDIA driver (a GPU machine), decided before jax starts.
+NVIDIA_MACHINE = os.path.exists("/dev/nvidiactl")
+
 # Without a GPU most of the suite's time is XLA compiling small CPU programs (the op's glue, the
 # oracles): compile them at LLVM optimization level 0 (2026-12-06, test_forward + test_packed:
 # 195 -> 142 s of CPU, the same results; our kernels are compiled C++ either way). Set before
 # jax starts its backends; a GPU machine keeps XLA's defaults.
-if not os.path.exists("/dev/nvidiactl"):
+if not NVIDIA_MACHINE:
     os.environ["XLA_FLAGS"] = " ".join(
         filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
 
@@ -62,9 +65,7 @@ def pytest_xdist_auto_num_workers(config):
     """``pytest -n auto`` (the Quick start): a worker per core, but one where an NVIDIA GPU
     exists, since each worker's jax would claim most of its memory and the next workers would
     find no GPU to run on."""
-    import os
-
-    return 1 if os.path.exists("/dev/nvidiactl") else None  # None: xdist's own core count
+    return 1 if NVIDIA_MACHINE else None  # None: xdist's own core count
 
 
 def pytest_collection_modifyitems(config, items):
