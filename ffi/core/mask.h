@@ -56,6 +56,23 @@ JV_HOST_DEVICE bool key_allowed(const MaskSpec& m, int64_t i, int64_t j, int64_t
   return j >= 0 && j < n && (!m.causal || j <= p) && (m.right < 0 || j <= p + m.right) && (m.left < 0 || j >= p - m.left);
 }
 
+// The allowed pairs of real rows and keys (i < seqlen_q, j < n) as a band of diagonals:
+// lo <= j - i <= hi, in 32 bits (INT32_MIN / INT32_MAX where a side is unbounded), for kernels
+// that test every (row, key) pair of a tile: at position p = i + n - seqlen_q, j <= p (causal),
+// j <= p + right and j >= p - left (a window).
+struct DiagonalBand {
+  int32_t lo, hi;
+};
+JV_HOST_DEVICE DiagonalBand diagonal_band(const MaskSpec& m, int64_t n, int64_t seqlen_q) {
+  const int64_t shift = n - seqlen_q;
+  int64_t hi = INT32_MAX, lo = INT32_MIN;
+  if (m.causal) hi = shift;
+  if (m.right >= 0 && shift + m.right < hi) hi = shift + m.right;
+  if (m.left >= 0) lo = shift - m.left;
+  return {int32_t(lo < INT32_MIN ? INT32_MIN : (lo > INT32_MAX ? INT32_MAX : lo)),
+          int32_t(hi < INT32_MIN ? INT32_MIN : hi)};
+}
+
 // Keys that some row of [i0, i1) may attend to: [begin of row i0, end of row i1 - 1), since
 // both bounds grow with the row (a superset when the rows' ranges do not overlap).
 JV_HOST_DEVICE Range key_range(const MaskSpec& m, int64_t i0, int64_t i1, int64_t n, int64_t seqlen_q) {
