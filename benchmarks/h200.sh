@@ -24,7 +24,8 @@
 #   XLA_PYTHON_CLIENT_PREALLOCATE=false is set for them); SHAPES (bench),
 #   TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more bench.py flags, e.g. --quick), STEP_S
 #   (train: timing bound per measurement, default 15); NCU_SHAPES, NCU_REGEX, NCU_GRAD
-#   (non-empty: profile gradients, e.g. with NCU_REGEX=regex:bwd_); OUT (output folder,
+#   (non-empty: profile gradients, e.g. with NCU_REGEX=regex:bwd_); AB_BASE, AB_SHAPES,
+#   AB_PASSES (ab: "fwd train" by default), AB_S; OUT (output folder,
 #   default /tmp/out).
 # A folder .whl/ in the repository root (carried to the device) is installed first, into
 # /tmp/site with --no-deps: flash-attn3-jax (the FA3 peer) and nvidia-cutlass (the CUTLASS/CuTe
@@ -113,8 +114,8 @@ for stage in $STAGES; do
         || { tail -20 "$OUT/ab-build.log"; continue; }
       echo "ab: base build $(($(date +%s) - t1)) s"
       ab_shapes=${AB_SHAPES:-d128-full,d128-skewed,d64-skewed,d128-causal-skewed,prefill-right-padded,docs-causal,docs-causal-d64,mixed-serve,d256-skewed}
-      runs=4  # bench.py runs left: each gets an equal share of what is left of L
-      for pass in fwd train; do
+      runs=$((2 * $(wc -w <<<"${AB_PASSES:-fwd train}")))  # bench.py runs left: equal shares of what is left of L
+      for pass in ${AB_PASSES:-fwd train}; do
         for side in base new; do
           share=$(( (L - ($(date +%s) - t0)) / runs )); runs=$((runs - 1))
           ((share < 40)) && { echo "ab: $pass $side skipped (time)"; continue; }

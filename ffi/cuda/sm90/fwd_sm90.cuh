@@ -118,8 +118,7 @@ struct alignas(1024) SharedStorage {
   uint64_t full_k[Tr::kStages], full_v[Tr::kStages];    // producer -> consumers: tile landed
   uint64_t empty_k[Tr::kStages], empty_v[Tr::kStages];  // consumers -> producer: stage free
   uint64_t full_q, empty_q;
-  uint64_t unit_full[2], unit_empty[2];  // dynamic units: the producer's hand-over ring (UnitSource)
-  int32_t next_unit[2];
+  UnitQueue units;  // dynamic units (tile_scheduler.h): the producer hands them to the consumers
   typename Tr::Scheduler::SharedStorage sched;  // the batch's heaviest-first order
   Unit lean_unit[2];  // lean units (UnitHandover): the units themselves, decoded by the producer
 };
@@ -140,80 +139,49 @@ enum class FwdRole { kProducer, kConsumer };
 
 // Where each role's r-th unit comes from. Static (a paged call's kernel): the scheduler's snake
 // (unit_of_round), which both roles compute alike. Dynamic (params.h, dynamic_units: every
-// other call): the producer's lane 0 takes the next unit of the list from an atomic counter
-// (the workspace's first word, zeroed before the launch) -- a CTA that finishes early takes
-// more, so no SM idles while others walk long units -- and hands it to the consumers through a
-// two-entry ring in shared memory (next_unit, on the unit_full / unit_empty mbarriers). Either
-// way a unit is computed whole by one CTA in the same way, so results stay bitwise
-// deterministic and batch invariant; only the placement changes.
+// other call): the unit queue (tile_scheduler.h) on the workspace's first word.
 template <typename Tr, bool kDynamic>
 struct UnitSource {
-  using Barrier = cutlass::arch::ClusterBarrier;
   using Sched = typename Tr::Scheduler;
   // Everything is read where it is used (kernel parameters, shared memory): no register stays
   // live across a unit for it.
   // The producer warp's r-th unit, or -1 past the end (every lane).
   static __device__ int producer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r) {
     if constexpr (!kDynamic) return Sched::unit_of_round(r, num_units);
-    const int slot = r & 1;
-    Barrier::wait(&ss.unit_empty[slot], ((r >> 1) & 1) ^ 1);
-    int u = -1;
-    if (threadIdx.x == 0) {
-      const int taken = atomicAdd(reinterpret_cast<int*>(kp.p.workspace), 1);
-      u = taken < num_units ? taken : -1;
-      ss.next_unit[slot] = u;
-      Barrier::arrive(&ss.unit_full[slot]);  // release: next_unit is visible to the waiters
-    }
-    return __shfl_sync(0xffffffff, u, 0);
+    const int u = ss.units.claim(reinterpret_cast<int*>(kp.p.workspace), num_units, r);
+    ss.units.publish(r, u);
+    return u;
   }
   // A consumer thread's r-th unit, or -1 past the end.
   static __device__ int consumer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r) {
     if constexpr (!kDynamic) return Sched::unit_of_round(r, num_units);
-    const int slot = r & 1;
-    Barrier::wait(&ss.unit_full[slot], (r >> 1) & 1);
-    const int u = ss.next_unit[slot];
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) Barrier::arrive(&ss.unit_empty[slot]);
-    return u;
+    return ss.units.read(r);
   }
 };
 
 // Lean units (params.h, lean_units; the unpaged kernels of Tr::kLeanKernels):
 // dynamic units whose producer decodes each unit once and hands the decoded Unit (15 ints) to
-// the consumers through the same ring (lean_unit on unit_full / unit_empty), so a unit starts on
+// the consumers beside its index in the queue's slot (lean_unit), so a unit starts on
 // a few shared loads instead of every consumer thread searching the list and reading the
 // sequence's offsets from global memory while both warpgroups' GEMMs wait. Same list, same
 // counter, same units as UnitSource<Tr, true>.
 template <typename Tr>
 struct UnitHandover {
-  using Barrier = cutlass::arch::ClusterBarrier;
   using Sched = typename Tr::Scheduler;
   // The producer warp's r-th unit into w (every lane); false past the end.
   static __device__ bool producer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r,
                                        Unit& w) {
-    const int slot = r & 1;
-    Barrier::wait(&ss.unit_empty[slot], ((r >> 1) & 1) ^ 1);
-    int taken = 0;
-    if (threadIdx.x == 0) taken = atomicAdd(reinterpret_cast<int*>(kp.p.workspace), 1);
-    taken = __shfl_sync(0xffffffff, taken, 0);
-    const int u = taken < num_units ? taken : -1;
+    const int u = ss.units.claim(reinterpret_cast<int*>(kp.p.workspace), num_units, r);
     if (u >= 0) w = Sched::decode_unit(kp.p, kp.num_m_blocks, ss.sched, u);
-    if (threadIdx.x == 0) {
-      ss.next_unit[slot] = u;
-      if (u >= 0) ss.lean_unit[slot] = w;
-      Barrier::arrive(&ss.unit_full[slot]);  // release: the slot is visible to the waiters
-    }
+    if (threadIdx.x == 0 && u >= 0) ss.lean_unit[r & 1] = w;
+    ss.units.publish(r, u);
     return u >= 0;
   }
   // A consumer thread's r-th unit into w; false past the end.
   static __device__ bool consumer_next(SharedStorage<Tr>& ss, int r, Unit& w) {
-    const int slot = r & 1;
-    Barrier::wait(&ss.unit_full[slot], (r >> 1) & 1);
-    const bool more = ss.next_unit[slot] >= 0;
-    if (more) w = ss.lean_unit[slot];
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) Barrier::arrive(&ss.unit_empty[slot]);
-    return more;
+    return ss.units.read(r, [&](int slot, int u) {
+      if (u >= 0) w = ss.lean_unit[slot];
+    }) >= 0;
   }
 };
 
@@ -242,10 +210,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     }
     Barrier::init(&ss.full_q, 1);
     Barrier::init(&ss.empty_q, Tr::kConsumerWarps);
-    for (int s = 0; s < 2; ++s) {
-      Barrier::init(&ss.unit_full[s], 1);
-      Barrier::init(&ss.unit_empty[s], Tr::kConsumerWarps);
-    }
+    ss.units.init(Tr::kConsumerWarps);
     cutlass::arch::fence_barrier_init();
   }
   Sched::sort_sequences(p, ss.sched);
