@@ -21,37 +21,30 @@ namespace jax_varlen::cuda::sm80 {
 // max that keeps NaN (fmaxf drops it): a NaN partial lse must reach the merged row.
 __device__ __forceinline__ float max_nan(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
 
-// Sum (or max) of one value per thread over the block, in a fixed order: a butterfly inside
-// each warp, then the warps' results in warp order. `red` is kCombineWarps floats of smem.
-constexpr int kCombineWarps = 4;
+// Max or sum of one value per lane over the warp, in a fixed order (a butterfly).
 template <bool kMax>
-__device__ __forceinline__ float combine_reduce(float x, float* red) {
+__device__ __forceinline__ float warp_reduce(float x) {
 #pragma unroll
   for (int mask = 16; mask > 0; mask /= 2) {
     const float y = __shfl_xor_sync(0xffffffff, x, mask);
     x = kMax ? max_nan(x, y) : x + y;
   }
-  __syncthreads();  // red is free (an earlier reduction's readers are done)
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
-  __syncthreads();
-  x = red[0];
-#pragma unroll
-  for (int w = 1; w < kCombineWarps; ++w) x = kMax ? max_nan(x, red[w]) : x + red[w];
   return x;
 }
 
-// One block per packed row: merges the row's splits into out and lse. Splits are spread over
-// the threads (a long cache has hundreds), but every sum has a fixed shape: warp w accumulates
-// splits w, w + 4, ...; the warps are added in order.
+// One warp per packed row, kCombineWarps rows per block: merges the row's splits into out and
+// lse with no block-wide sync (the kernel's time is mostly latency: a few microseconds of
+// dependent loads per row). Every sum has a fixed shape that depends only on the row's split
+// count: lane l takes splits l, l + 32, ... for the max and the weights' sum (then a
+// butterfly), and the output columns l, l + 32, ... summed over the splits in order.
+constexpr int kCombineWarps = 4;
 template <typename Elem, int kHeadDim>
 __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const __grid_constant__ AttentionParams p) {
-  __shared__ float red[kCombineWarps];
-  __shared__ float part[kCombineWarps][kHeadDim];  // per-warp sums over its splits (Dv <= kHeadDim)
-  const int64_t r = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
-  const int64_t group = p.num_heads / p.kv_num_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t r = int64_t(blockIdx.x) * kCombineWarps + warp, g = blockIdx.y, b = blockIdx.z;
+  const int64_t group = p.num_heads / p.kv_num_heads;
   const SeqlenInfo seq(p, b);
-  if (r >= seq.seqlen_q * group) return;  // packed: past this sequence's rows
+  if (r >= seq.seqlen_q * group) return;  // past this sequence's rows (packed), or the grid's
   const int64_t i = r / group, h = g * group + r % group;
   Elem* out = static_cast<Elem*>(p.out) + seq.out_index(p, i, h);
   // The row's splits: those that hold one of its allowed keys [keys.begin, keys.end).
@@ -59,8 +52,8 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   const int64_t split0 = keys.begin / p.split_keys;
   const int splits = keys.empty() ? 0 : int((keys.end + p.split_keys - 1) / p.split_keys - split0);
   if (splits == 0) {  // no allowed key: zeros, lse = -inf (the sink's logit)
-    for (int col = threadIdx.x; col < p.head_dim_v; col += blockDim.x) out[col] = Elem(0.0f);
-    if (threadIdx.x == 0) p.lse[seq.lse_index(p, h, i)] = empty_row_lse(p, h);
+    for (int col = lane; col < p.head_dim_v; col += 32) out[col] = Elem(0.0f);
+    if (lane == 0) p.lse[seq.lse_index(p, h, i)] = empty_row_lse(p, h);
     return;
   }
   const int64_t rows_pad = rows_padded(p);
@@ -72,39 +65,33 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   // every partial is -inf, m_use = 0 keeps the weights 0 and the row gives 0/0 = NaN, lse -inf,
   // as the one-pass kernel does for a row whose every score is -inf.
   float mx = -INFINITY;
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = max_nan(mx, lse_part[s * rows_pad]);
-  mx = combine_reduce<true>(mx, red);
+  for (int s = lane; s < splits; s += 32) mx = max_nan(mx, lse_part[s * rows_pad]);
+  mx = warp_reduce<true>(mx);
   const float m_use = mx == -INFINITY ? 0.0f : mx;
   float sum = 0.0f;
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) sum += exp2_approx(lse_part[s * rows_pad] - m_use);
-  sum = combine_reduce<false>(sum, red);
+  for (int s = lane; s < splits; s += 32) sum += exp2_approx(lse_part[s * rows_pad] - m_use);
+  sum = warp_reduce<false>(sum);
 
   constexpr int kCols = kHeadDim / 32;  // columns lane, lane + 32, ... of this lane
   float acc[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
 #pragma unroll 4
-  for (int s = warp; s < splits; s += kCombineWarps) {
+  for (int s = 0; s < splits; ++s) {
     const float wgt = exp2_approx(lse_part[s * rows_pad] - m_use);
     const float* o_s = o_part + int64_t(s) * rows_pad * p.head_dim_v;
 #pragma unroll
     for (int c = 0; c < kCols; ++c)
       if (lane + 32 * c < p.head_dim_v) acc[c] += wgt * o_s[lane + 32 * c];
   }
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) part[warp][lane + 32 * c] = acc[c];
-  __syncthreads();
 
   // The splits' partials are normalized, so the row's (m, l) in base 2 is (mx, sum) and its
   // accumulator the weighted sum of the partials: finish_row adds the sink (core/sinks.h).
   const RowFinish fin = finish_row</*kBase2=*/true>(mx, sum, sink_of(p, h));
-  for (int col = threadIdx.x; col < p.head_dim_v; col += blockDim.x) {
-    float total = part[0][col];
 #pragma unroll
-    for (int w = 1; w < kCombineWarps; ++w) total += part[w][col];
-    out[col] = Elem(total * fin.inv);
-  }
-  if (threadIdx.x == 0) p.lse[seq.lse_index(p, h, i)] = fin.lse;
+  for (int c = 0; c < kCols; ++c)
+    if (lane + 32 * c < p.head_dim_v) out[lane + 32 * c] = Elem(acc[c] * fin.inv);
+  if (lane == 0) p.lse[seq.lse_index(p, h, i)] = fin.lse;
 }
 
 }  // namespace jax_varlen::cuda::sm80

@@ -30,7 +30,7 @@
 
 namespace jax_varlen::cuda::sm80 {
 
-template <int kHeadDim_, int kBlockN_ = (kHeadDim_ <= 128 ? 32 : 16)>
+template <int kHeadDim_, int kBlockN_ = (kHeadDim_ <= 64 ? 32 : 16)>
 struct SplitTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarps = 4;
@@ -38,9 +38,9 @@ struct SplitTraits {
   static constexpr int kRows = 16;                           // packed rows per block (one MMA tile)
   static_assert(kRows == kSplitRowBlock, "the workspace pads rows to whole blocks (limits.h)");
   static constexpr int kBlockN = kBlockN_;  // keys per warp tile
-  // Registers capped at 170 for D <= 128 (three blocks' worth), but only 68 KB blocks
-  // (kBlockN * kHeadDim <= 2048: d64, or d128 on 16-key tiles) fit three per SM; d128 with
-  // 32-key tiles is 132 KB, one block per SM (benchmarks/NOTES.md, session 2026-12-06 e).
+  // Registers capped at 170 for D <= 128 (three blocks' worth); 68 KB blocks (kBlockN * kHeadDim
+  // <= 2048: d64 on 32-key tiles, d128 on 16) fit three per SM. d128 on 32-key tiles was 132 KB,
+  // one block per SM, and 1.06x slower on decode-paged (H100, benchmarks/NOTES.md, call f1).
   static constexpr int kMinBlocksPerSm = kHeadDim <= 128 ? 3 : 1;
   // Each warp is a team with a two-stage ring, Q in registers.
   using Mainloop = MainloopTraits<kHeadDim, /*kMTiles=*/1, kBlockN, /*kKeyStep=*/kWarps * kBlockN, /*kStages=*/2,
@@ -175,23 +175,14 @@ cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (grid.x > 0) kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);  // Skv = 0: merge only
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  const dim3 combine_grid(unsigned(p.seqlen_q * group), unsigned(p.kv_num_heads), unsigned(p.batch));
+  const dim3 combine_grid(unsigned((p.seqlen_q * group + kCombineWarps - 1) / kCombineWarps), unsigned(p.kv_num_heads),
+                          unsigned(p.batch));
   fwd_combine_kernel<Elem, kHeadDim><<<combine_grid, 32 * kCombineWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-// EXPERIMENT (session 2026-12-06 e, not yet run on a GPU): JAX_VARLEN_SPLIT_TILE=16 in the
-// environment runs d128 on 16-key tiles, read once per process. Once measured, the winner
-// becomes SplitTraits' default and this switch goes (benchmarks/NOTES.md, "Next").
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (kHeadDim == 128) {
-    static const bool narrow_tiles = [] {
-      const char* v = std::getenv("JAX_VARLEN_SPLIT_TILE");
-      return v != nullptr && v[0] == '1' && v[1] == '6' && v[2] == '\0';
-    }();
-    if (narrow_tiles) return run_fwd_split_with<Elem, kHeadDim, SplitTraits<kHeadDim, 16>>(p, stream);
-  }
   return run_fwd_split_with<Elem, kHeadDim, SplitTraits<kHeadDim>>(p, stream);
 }
 

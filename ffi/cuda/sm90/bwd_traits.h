@@ -19,6 +19,8 @@ struct BwdTraits {
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= register_pool(kThreads),
+                "setmaxnreg past the launch's registers deadlocks (common.h, register_pool)");
 
   using SplitM = Layout<Shape<_2, _1, _1>>;  // warpgroups split the keys
   using SplitN = Layout<Shape<_1, _2, _1>>;  // warpgroups split D (dQ)

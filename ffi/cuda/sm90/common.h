@@ -41,6 +41,11 @@ __device__ __forceinline__ float ex2_approx(float x) {
   return y;
 }
 
+// The registers setmaxnreg can hand out in a CTA of `threads` threads launched one per SM: the
+// launch gives each thread 65536 / threads rounded down to a multiple of 8 (168 at 384 threads:
+// a pool of 64512, not 64K), and a warpgroup's setmaxnreg.inc past the pool waits forever.
+constexpr int register_pool(int threads) { return 65536 / threads / 8 * 8 * threads; }
+
 // acc ((2, 2, N/8), 1, 1) fp32 of an m64nNk16 wgmma -> A operand ((2, 2, 2), 1, N/16) of the next
 // one: the same registers in the same order (the element of row half h, column pair c, 8-column
 // group j sits at index c + 2h + 4j in both), only regrouped by 16 columns.

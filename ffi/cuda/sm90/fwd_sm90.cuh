@@ -50,9 +50,12 @@ struct FwdTraits {
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kProducerWarps = 4;  // warpgroup 0: warp 0 loads; all 4 gather a paged call's pages
-  // 128 * producer + 256 * consumer registers <= 64K; wider key tiles need the last 8.
+  // 128 * producer + 256 * consumer registers <= the launch's 64512 (common.h, register_pool);
+  // wider key tiles need the last 8.
   static constexpr int kProducerRegs = kBlockN > 128 ? 24 : 40;
   static constexpr int kConsumerRegs = kBlockN > 128 ? 240 : 232;
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= register_pool(kThreads),
+                "setmaxnreg past the launch's registers deadlocks (common.h, register_pool)");
   // Whether lean kernels (idle warpgroups, unit hand-over) exist for these traits: plan/limits.h
   // decides, for the plan too (the others would spill inside the mainloop, benchmarks/NOTES.md).
   static constexpr bool kLeanKernels = ::jax_varlen::cuda::fwd_sm90_lean_kernels(kHeadDim, kBlockN);
