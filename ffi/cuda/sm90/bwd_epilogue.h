@@ -20,7 +20,7 @@ struct BwdEpilogue {
   };
   static __device__ __forceinline__ Dst dst(const AttentionParams& p, const BackwardParams& bp,
                                             const BwdBlock<kBlockM>& blk) {
-    const int64_t key0 = int64_t(blk.n_block) * kBlockN;
+    const int64_t key0 = blk.key0();
     return {static_cast<Element*>(bp.d_k) + int64_t(blk.pack) * p.k_batch_stride +
                 (blk.k_start + key0) * p.k_row_stride + blk.g * p.k_head_stride,
             static_cast<Element*>(bp.d_v) + int64_t(blk.pack) * p.v_batch_stride +
@@ -30,7 +30,7 @@ struct BwdEpilogue {
   // Every thread of the CTA: zeros in the block's rows, 16 bytes per store.
   static __device__ __forceinline__ void store_zeros(const AttentionParams& p, const BwdBlock<kBlockM>& blk,
                                                      const Dst& d) {
-    const int key0 = blk.n_block * kBlockN;
+    const int key0 = blk.key0();
     const int rows = blk.k_rows - key0 < kBlockN ? blk.k_rows - key0 : kBlockN;
     const int ck = int(p.head_dim / 8), cv = int(p.head_dim_v / 8);
     for (int idx = threadIdx.x; idx < rows * (ck + cv); idx += Tr::kThreads) {
@@ -47,7 +47,7 @@ struct BwdEpilogue {
     // (key, column) of this thread's dK/dV elements.
     Tensor cKV = typename Tr::TiledMmadKV{}.get_thread_slice(ct).partition_C(
         make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    const int key0 = blk.n_block * kBlockN;
+    const int key0 = blk.key0();
     constexpr int kKV = decltype(size(cKV))::value;
 #pragma unroll
     for (int i = 0; i < kKV; i += 2) {

@@ -45,7 +45,7 @@ struct BwdMma {
                                       TdV& tdVrdV) const {
     // The sequence's query rows and keys, in registers: read through blk in the masked loop,
     // they turned its branch-free predicate into branches (64 more at d64, and twice the spills).
-    const int key0 = blk.n_block * kBlockN, len_q = blk.len_q, n = blk.n;
+    const int key0 = blk.key0(), len_q = blk.len_q, n = blk.n;
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(ss.d_out.data()), typename Tr::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});

@@ -56,8 +56,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   }
   using Epilogue = BwdEpilogue<Tr>;
   const typename Epilogue::Dst dst = Epilogue::dst(p, bp, blk);
-  if (blk.n_block * kBlockN >= blk.n || blk.m_lo >= blk.m_hi) {  // a block wholly past n_b (its rows
-    Epilogue::store_zeros(p, blk, dst);  // of Skv; none packed) or that no row sees: zero gradients
+  if (!blk.has_work()) {  // zero gradients (its keys past n_b, or no row sees them)
+    Epilogue::store_zeros(p, blk, dst);
     return;
   }
 

@@ -143,11 +143,14 @@ struct BwdBlock {
     n_block = n_block_;
     group = int(p.num_heads / p.kv_num_heads);
     h0 = g * group;
-    const int key0 = n_block * kBwdBlockN;
-    const Range rows = row_range(p.mask(), key0, key0 + kBwdBlockN, n, len_q);
+    const Range rows = row_range(p.mask(), key0(), key0() + kBwdBlockN, n, len_q);
     m_lo = rows.empty() ? 0 : int(rows.begin / kBlockM);
     m_hi = rows.empty() ? 0 : int((rows.end + kBlockM - 1) / kBlockM);
   }
+  // The block's first key (a row of b's keys), and whether it has work: some of its keys are
+  // b's (not wholly past n_b, in its rows of Skv; never so packed) and some row sees one.
+  __device__ int key0() const { return n_block * kBwdBlockN; }
+  __device__ bool has_work() const { return key0() < n && m_lo < m_hi; }
   __device__ void locate(const AttentionParams& p, int b_) {
     b = b_;
     const SeqlenInfo seq(p, b);
