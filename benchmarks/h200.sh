@@ -19,7 +19,9 @@
 # Env: TOTAL_S; stage limits TESTS_S (300) BENCH_S (270) TRAIN_S (400) DECODE_S (120)
 #   SWEEP_S (240) NCU_S (200); DECODE_SHAPES (decode; default decode-full,decode-skewed,
 #   decode-paged), DECODE_IMPLS (default: the padded impls and the paged pair); TEST_FILES (default tests; files or folders, from the repo
-#   root), PYTEST_M (-m, default gpu; empty for every test), PYTEST_K (-k), PYTEST_ARGS (more
+#   root), PYTEST_M (-m, default gpu; empty for every test), PYTEST_K (-k), HANG_S (a test
+#   running longer dumps every thread's stack into gpu_tests.log, default 100: a kernel that
+#   hangs names its test instead of stalling the suite silently), PYTEST_ARGS (more
 #   pytest flags, e.g. "-n 6" with pytest-xdist's wheel in .whl/: processes share the GPU, so
 #   XLA_PYTHON_CLIENT_PREALLOCATE=false is set for them); SHAPES (bench),
 #   TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more bench.py flags, e.g. --quick), STEP_S
@@ -78,7 +80,8 @@ for stage in $STAGES; do
       [[ " ${PYTEST_ARGS:-} " == *" -n "* ]] && pre=(env XLA_PYTHON_CLIENT_PREALLOCATE=false)
       files=${TEST_FILES:-tests}
       timeout "$L" "${pre[@]}" python3 -m pytest $(cd "$R" && for f in $files; do echo "$R/$f"; done) \
-        -q -rP -p no:cacheprovider --durations=5 -m "${PYTEST_M-gpu}" -k "${PYTEST_K:-}" ${PYTEST_ARGS:-} 2>&1 \
+        -q -rP -p no:cacheprovider --durations=5 -o faulthandler_timeout="${HANG_S:-100}" \
+        -m "${PYTEST_M-gpu}" -k "${PYTEST_K:-}" ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -12 ;;
     bench) L=$(limit "${BENCH_S:-270}") || { echo "bench: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/bench.py" --out "$OUT" --passes fwd \
