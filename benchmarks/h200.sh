@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [sweep] [sinks] [ab] [ncu] [cmd]
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [sweep] [sinks] [ab] [ncu] [cmd]
 #   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
 # GPU-only files tests/test_gpu_*.py); bench = the forward on bench.py's FWD_SHAPES (issue 11's
 # eight and prefill-right-padded; bf16, plus f16 of d128-full and d128-skewed), jax_varlen /
 # cuDNN / FA3 / XLA and the packed pair; train = train + bwd records (jax_varlen / cuDNN / FA3
-# and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; sweep = the
+# and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; chunks = the decode
+# shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
 # 120 s); ab = a base build against this one (AB_BASE, AB_SHAPES, AB_S 500 s; see the stage);
 # ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
@@ -99,6 +100,21 @@ for stage in $STAGES; do
         --impls "${DECODE_IMPLS:-jax_varlen,cudnn,fa3,xla,jax_varlen_paged,fa3_paged}" \
         >"$OUT/decode.log" 2>&1
       grep -E "^\| decode" "$OUT/decode.log" || tail -8 "$OUT/decode.log" ;;
+    chunks) L=$(limit "${CHUNKS_S:-150}") || { echo "chunks: skipped (time)"; continue; }
+      # The split-KV chunk (JAX_VARLEN_SPLIT_KEYS, plan.h: one constant per process) on the
+      # decode shapes: one bench.py process per chunk in CHUNKS, equal shares of the stage,
+      # FA3 (padded and paged) in the first process only.
+      set -- ${CHUNKS:-1024 2048 4096}
+      share=$((L / $#)); first=1
+      for c in "$@"; do
+        impls=jax_varlen,jax_varlen_paged; ((first)) && impls=jax_varlen,jax_varlen_paged,fa3,fa3_paged
+        JAX_VARLEN_SPLIT_KEYS=$c timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/chunk$c" \
+          --tag decode --decode --budget-s $((share - 15)) --no-plot --extra-dtype none \
+          --shapes "${DECODE_SHAPES:-decode-full,decode-skewed,decode-paged}" --impls "$impls" \
+          >"$OUT/chunk$c.log" 2>&1
+        echo "chunk $c:"; grep -E "^\| decode" "$OUT/chunk$c.log" | grep -v skipped | cut -c1-110
+        first=0
+      done ;;
     sinks) L=$(limit "${SINKS_S:-120}") || { echo "sinks: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/sinks_cost.py" --out "$OUT" >"$OUT/sinks.log" 2>&1
       tail -5 "$OUT/sinks.log" ;;
@@ -148,7 +164,7 @@ for stage in $STAGES; do
         --budget-s $((L - 30)) 2>&1 | tee "$OUT/decode_sweep.log" | tail -24 ;;
     cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
       R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
-    *) echo "unknown stage $stage (tests bench train decode sweep sinks ab ncu cmd)"; continue ;;
+    *) echo "unknown stage $stage (tests bench train decode chunks sweep sinks ab ncu cmd)"; continue ;;
   esac
   echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done
