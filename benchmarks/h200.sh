@@ -28,7 +28,8 @@
 #   TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more bench.py flags, e.g. --quick), STEP_S
 #   (train: timing bound per measurement, default 15); NCU_SHAPES, NCU_REGEX, NCU_GRAD
 #   (non-empty: profile gradients, e.g. with NCU_REGEX=regex:bwd_); AB_BASE, AB_SHAPES,
-#   AB_PASSES (ab: "fwd train" by default), AB_S; OUT (output folder,
+#   AB_PASSES (ab: "fwd train" by default), AB_S; CMAKE_DEFINES (this tree's build only, e.g.
+#   "JAX_VARLEN_BWD256=ON": the Hopper backward at head dim 256); OUT (output folder,
 #   default /tmp/out).
 # A folder .whl/ in the repository root (carried to the device) is installed first, into
 # /tmp/site with --no-deps: flash-attn3-jax (the FA3 peer) and nvidia-cutlass (the CUTLASS/CuTe
@@ -52,8 +53,9 @@ fi
 t0=$(date +%s)
 # --upgrade: on a machine kept warm from an earlier call, replace the jax_varlen built then;
 # build/h200 (ignored, kept on the device between calls) makes that rebuild incremental.
+defines=(); for d in ${CMAKE_DEFINES:-}; do defines+=(-C "cmake.define.$d"); done
 python3 -m pip install --no-build-isolation --no-deps --upgrade --target /tmp/site \
-  -C build-dir=build/h200 -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . \
+  -C build-dir=build/h200 -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real "${defines[@]}" . \
   >"$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log"; exit 1; }
 echo "build: $(($(date +%s) - t0)) s"

@@ -19,7 +19,8 @@
 // kernels as padded ones (every kernel reads sequences through SeqlenInfo).
 // Backward (after portable/bwd_preprocess.cuh, for every path):
 //   sm90          compute capability 9,  the tensor-core shapes, a bucket up to      sm90::run_bwd_sm90
-//                 built with sm_90a      kBwdSm90MaxHeadDim, Sq, Skv >= 1, extents
+//                 built with sm_90a      kBwdSm90MaxHeadDim (or the wide one's, a
+//                                        JAX_VARLEN_BWD256 build), Sq, Skv >= 1, extents
 //                                        within 32-bit coordinates (the plan sized
 //                                        its dQ workspace)
 //   sm80 tensor   compute capability 8+  f16/bf16, D and Dv multiples of 8           sm80::run_bwd_tc
@@ -84,9 +85,9 @@ constexpr PathKernels kSm80OnePass = tensor_core_path(
 constexpr PathKernels kSm90OnePass = tensor_core_path(
     [](auto elem, auto dim) { return &sm90::run_fwd_sm90<typename decltype(elem)::type, decltype(dim)::value>; });
 
-// The Hopper backward: buckets up to kBwdSm90MaxHeadDim (null entries above).
+// The Hopper backward: buckets up to kBwdSm90MaxHeadDim and the wide one's (null entries else).
 constexpr BwdPathKernels kBwdSm90 = tensor_core_path<BwdFn>([](auto elem, auto dim) -> BwdFn {
-  if constexpr (decltype(dim)::value <= kBwdSm90MaxHeadDim)
+  if constexpr (bwd_sm90_bucket(decltype(dim)::value))
     return &sm90::run_bwd_sm90<typename decltype(elem)::type, decltype(dim)::value>;
   else
     return nullptr;

@@ -44,7 +44,7 @@ namespace sm90 {
 constexpr int kBlockM = kFwdSm90BlockM;  // query rows of one work unit, at every head size
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream);
-// Hopper backward (bwd_sm90.cuh), after the preprocess, for buckets up to kBwdSm90MaxHeadDim:
+// Hopper backward (bwd_sm90.cuh), after the preprocess, for the buckets bwd_sm90_bucket takes:
 // one kernel, dQ summed in a fixed order through bp.dq_accum.
 template <typename Elem, int kHeadDim>
 cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream);

@@ -60,9 +60,10 @@ constexpr int fwd_sm90_block_n(int bucket, bool banded) {
 // spill inside the mainloop with the idle path (benchmarks/NOTES.md).
 constexpr bool fwd_sm90_lean_kernels(int bucket, int block_n) { return bucket <= 128 && block_n <= 128; }
 
-// Hopper backward (sm90/bwd_sm90.cuh): key blocks of kBwdBlockN keys per CTA, steps of
+// Hopper backward (sm90/bwd_sm90.cuh): key blocks of bwd_block_n(bucket) keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the
-// sm80 kernels). Its dQ workspace (float32 elements, an XLA output the CUDA backward always gets,
+// sm80 kernels; 256 too in a build with JAX_VARLEN_BWD256=ON, cmake/cuda.cmake: the wide
+// kernel, sm90/bwd_mma_wide.h, compiled but not yet run on a GPU). Its dQ workspace (float32 elements, an XLA output the CUDA backward always gets,
 // sized by the plan, ffi/plan/plan.h):
 //   dq_accum     [packs, num_heads, slots, block_m * bucket]   slots = bwd_dq_slots(...)
 //                (each row block's tile in the consumers' register order, bwd_sm90.cuh)
@@ -74,12 +75,20 @@ constexpr bool fwd_sm90_lean_kernels(int bucket, int block_n) { return bucket <=
 // Sequence s of a pack (params.h) keeps its row blocks in slots (q_start + s * block_m) /
 // block_m on, so no two sequences share one: ceil(pack_rows_q / block_m) + pack_seqs - 1
 // slots per (pack, head); ceil(Sq / block_m) in the padded batch (a pack per sequence).
-// block_m * bucket = 8192 floats either way.
-constexpr int kBwdBlockN = 128;
+// block_m * bucket = 8192 floats at buckets 64 and 128, 16384 at 256.
 constexpr int kBwdSm90MaxHeadDim = 128;
+#if defined(JAX_VARLEN_WITH_SM90_BWD256)
+constexpr int kBwdSm90WideHeadDim = 256;  // the wide kernel's bucket, in this build
+#else
+constexpr int kBwdSm90WideHeadDim = 0;
+#endif
+constexpr bool bwd_sm90_bucket(int bucket) { return bucket <= kBwdSm90MaxHeadDim || bucket == kBwdSm90WideHeadDim; }
 // Rows per step: 128 at bucket 64 (there a step's products are half the size and its fixed
-// costs -- waits, barriers, the dQ hand-off -- are not), 64 at bucket 128.
+// costs -- waits, barriers, the dQ hand-off -- are not), 64 at buckets 128 and 256.
 constexpr int bwd_block_m(int bucket) { return bucket <= 64 ? 128 : 64; }
+// Keys per CTA: 128 (64 per consumer warpgroup), 64 at bucket 256, where the warpgroups split
+// the head dim of dK and dV instead (128 keys x 256 would not fit their registers).
+constexpr int bwd_block_n(int bucket) { return bucket <= 128 ? 128 : 64; }
 constexpr long long bwd_dq_slots(long long pack_rows_q, long long pack_seqs, int block_m) {
   return pack_seqs < 1 ? 0 : (pack_rows_q + block_m - 1) / block_m + pack_seqs - 1;
 }

@@ -185,16 +185,18 @@ inline Plan make_plan(const PlanInputs& in) {
     plan.lean_units = plan.dynamic_units && c::fwd_sm90_lean_kernels(bucket, plan.fwd_block_n);
   }
 
-  // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim and needs a query row;
-  // its dQ workspace is sized whenever an sm_90 device could take the call.
-  if (tensor_core_shapes && bucket <= c::kBwdSm90MaxHeadDim && in.seqlen_q >= 1 && in.seqlen_k >= 1 &&
+  // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim (and the wide one's,
+  // limits.h) and needs a query row; its dQ workspace is sized whenever an sm_90 device could
+  // take the call.
+  if (tensor_core_shapes && c::bwd_sm90_bucket(bucket) && in.seqlen_q >= 1 && in.seqlen_k >= 1 &&
       in.pack_seqs >= 1) {
     plan.bwd_block_m = c::bwd_block_m(bucket);
     plan.dq_slots = c::bwd_dq_slots(in.pack_rows_q, in.pack_seqs, plan.bwd_block_m);
     plan.dq_workspace_per_pack = in.num_heads * plan.dq_slots * (int64_t(plan.bwd_block_m) * bucket + 1) +
                                  in.pack_seqs;
   }
-  const int64_t bwd_ctas = (in.seqlen_k + c::kBwdBlockN - 1) / c::kBwdBlockN * batch * in.kv_num_heads;
+  const int64_t bwd_block_n = c::bwd_block_n(bucket);
+  const int64_t bwd_ctas = (in.seqlen_k + bwd_block_n - 1) / bwd_block_n * batch * in.kv_num_heads;
   if (!tensor_cores) plan.bwd_path = BwdPath::kPortable;
   else if (hopper && plan.dq_workspace_per_pack > 0 && sm90_extents && bwd_ctas <= INT32_MAX)
     plan.bwd_path = BwdPath::kSm90;

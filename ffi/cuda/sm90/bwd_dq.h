@@ -8,7 +8,8 @@
 // partial) or bulk-adds it (cp.reduce.async.bulk, the others) -- one 16 KB op per half, in the
 // order the registers hold it --, waits for it to land, and counts itself (a release add). The
 // consumers never wait on the counter: they hand the halves over through two shared buffers
-// (full_dq / empty_dq), so they fill one while the writer drains the other. bwd_sm90_dq_kernel
+// (full_dq / empty_dq), so they fill one while the writer drains the other (one buffer at head
+// dim 256, kWide: shared memory). bwd_sm90_dq_kernel
 // then writes d_q = scale * dq_accum in the input dtype (zero rows where no block sees the row
 // block). The order depends only on the lengths, so d_q is bitwise deterministic. Every wait is
 // on a block of higher n of the same (b, g), which has a lower blockIdx.x (bwd_sm90.cuh: a
@@ -30,17 +31,19 @@ __device__ __forceinline__ int load_acquire(const int* ptr) {
 template <typename Tr>
 struct BwdDqWriter {
   using Barrier = cutlass::arch::ClusterBarrier;
-  static constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
 
   __device__ __forceinline__ static void run(const BwdKernelParams<Tr>& kp, BwdSharedStorage<Tr>& ss,
-                                             const BwdBlock<kBlockM>& blk) {
+                                             const BwdBlock<kBlockM, kBlockN>& blk) {
     const BackwardParams& bp = kp.bp;
     const AttentionParams& p = bp.fwd;
     const int lane = threadIdx.x % 32;
     int step = 0;
     for (int h = blk.h0; h < blk.h0 + blk.group; ++h)
       for (int m = blk.m_lo; m < blk.m_hi; ++m, ++step) {
-        const int buf = step & 1, phase_dq = (step >> 1) & 1;
+        static_assert(Tr::kDqBuffers == 1 || Tr::kDqBuffers == 2);
+        const int buf = Tr::kDqBuffers == 2 ? step & 1 : 0;
+        const int phase_dq = (Tr::kDqBuffers == 2 ? step >> 1 : step) & 1;
         const int rank = blk.key_blocks(p, m).y - 1 - blk.n_block;  // >= 0
         const int64_t unit = blk.dq_unit(p, kp.num_slots, h, m);
         int* sem = bp.dq_semaphore + unit;
@@ -95,7 +98,7 @@ template <typename Tr>
 __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const __grid_constant__ BackwardParams bp,
                                                                           int num_m_blocks, int num_slots) {
   using Element = typename Tr::Element;
-  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kPitch = kHeadDim + 8;  // elements per shared row: the 8 rows of a store phase on distinct banks
   __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const AttentionParams& p = bp.fwd;
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const
   typename Tr::TiledMmadQ mma_dq;
   Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int kQ = decltype(size(cQ))::value;
-  BwdBlock<kBlockM> blk{};
+  BwdBlock<kBlockM, kBlockN> blk{};
   blk.locate(p, b);
   if (m >= blk.m_end) return;
   const int2 seen_blocks = blk.key_blocks(p, m);

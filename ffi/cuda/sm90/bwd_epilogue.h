@@ -19,7 +19,7 @@ struct BwdEpilogue {
     Element* d_v;
   };
   static __device__ __forceinline__ Dst dst(const AttentionParams& p, const BackwardParams& bp,
-                                            const BwdBlock<kBlockM>& blk) {
+                                            const BwdBlock<kBlockM, kBlockN>& blk) {
     const int64_t key0 = blk.key0();
     return {static_cast<Element*>(bp.d_k) + int64_t(blk.pack) * p.k_batch_stride +
                 (blk.k_start + key0) * p.k_row_stride + blk.g * p.k_head_stride,
@@ -28,7 +28,7 @@ struct BwdEpilogue {
   }
 
   // Every thread of the CTA: zeros in the block's rows, 16 bytes per store.
-  static __device__ __forceinline__ void store_zeros(const AttentionParams& p, const BwdBlock<kBlockM>& blk,
+  static __device__ __forceinline__ void store_zeros(const AttentionParams& p, const BwdBlock<kBlockM, kBlockN>& blk,
                                                      const Dst& d) {
     const int key0 = blk.key0();
     const int rows = blk.k_rows - key0 < kBlockN ? blk.k_rows - key0 : kBlockN;
@@ -42,7 +42,7 @@ struct BwdEpilogue {
 
   // One consumer thread (ct = 0..255): its dK and dV elements, in pairs of adjacent columns.
   template <typename TdK, typename TdV>
-  static __device__ __forceinline__ void store(const AttentionParams& p, const BwdBlock<kBlockM>& blk, const Dst& d,
+  static __device__ __forceinline__ void store(const AttentionParams& p, const BwdBlock<kBlockM, kBlockN>& blk, const Dst& d,
                                                int ct, const TdK& tdKrdK, const TdV& tdVrdV) {
     // (key, column) of this thread's dK/dV elements.
     Tensor cKV = typename Tr::TiledMmadKV{}.get_thread_slice(ct).partition_C(

@@ -26,7 +26,7 @@ struct BwdLoad {
       : kp(kp), ss(ss), lane(threadIdx.x % 32), leader(threadIdx.x % 32 == 0) {}
 
   // K and V of the block (its rows [key0, key0 + kBlockN) of sequence b, kv head g) on full_kv.
-  __device__ __forceinline__ void load_kv(const BwdBlock<kBlockM>& blk) const {
+  __device__ __forceinline__ void load_kv(const BwdBlock<kBlockM, kBlockN>& blk) const {
     if (!leader) return;
     const AttentionParams& p = kp.bp.fwd;
     const int rows_k = int(p.pack_rows_k), packs = int(p.num_packs);
@@ -48,7 +48,7 @@ struct BwdLoad {
   }
 
   // Every step of the block, in the consumers' order (heads of the group, then row blocks).
-  __device__ __forceinline__ void load_steps(const BwdBlock<kBlockM>& blk, PipelineState<Tr::kStages>& pipe) const {
+  __device__ __forceinline__ void load_steps(const BwdBlock<kBlockM, kBlockN>& blk, PipelineState<Tr::kStages>& pipe) const {
     const AttentionParams& p = kp.bp.fwd;
     const int rows_q = int(p.pack_rows_q), packs = int(p.num_packs);
     Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(rows_q, int(p.head_dim), int(p.num_heads), packs));

@@ -30,6 +30,7 @@ struct BwdMma {
   using Element = typename Tr::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+  static_assert(!Tr::kWide && Tr::kDqBuffers == 2, "head dim 256 has its own mainloop (bwd_mma_wide.h)");
 
   const AttentionParams& p;
   BwdSharedStorage<Tr>& ss;
@@ -41,7 +42,7 @@ struct BwdMma {
   // The block's walk: dK and dV (cleared by the caller) summed over every step, the ring's
   // stages from pipe on.
   template <typename TdK, typename TdV>
-  __device__ __forceinline__ void mma(const BwdBlock<kBlockM>& blk, PipelineState<kStages>& pipe, TdK& tdKrdK,
+  __device__ __forceinline__ void mma(const BwdBlock<kBlockM, kBlockN>& blk, PipelineState<kStages>& pipe, TdK& tdKrdK,
                                       TdV& tdVrdV) const {
     // The sequence's query rows and keys, in registers: read through blk in the masked loop,
     // they turned its branch-free predicate into branches (64 more at d64, and twice the spills).

@@ -1,8 +1,8 @@
 // Hopper backward (sm_90a): TMA loads, the five products on wgmma with fp32 accumulators, a
 // producer warp, and a deterministic dQ that needs no separate pass and no float atomics.
 //
-// One CTA = (sequence b, kv head g, key block n of kBlockN = 128 keys) = 3 warpgroups, by role
-// (bwd_traits.h, BwdRole):
+// One CTA = (sequence b, kv head g, key block n of kBlockN = 128 keys; 64 at head dim 256) = 3
+// warpgroups, by role (bwd_traits.h, BwdRole):
 //   warpgroup 0, warp 0: the producer (bwd_load.h, BwdLoad). K and V of the block land once;
 //     then, for every query head h of g's group and every row block m (kBlockM rows: 64 at
 //     head-dim bucket 128, 128 at 64, limits.h) that sees the block, Q[m], dO[m], lse and delta
@@ -11,7 +11,9 @@
 //     a fixed order into a float workspace that bwd_sm90_dq_kernel turns into d_q.
 //   warpgroups 1 and 2: the consumers, 64 keys each: the mainloop (bwd_mma.h, BwdMma: S^T, dP^T,
 //     P^T, dS^T, dV += P^T dO, dK += dS^T Q, the dQ partial dS K) and the epilogue
-//     (bwd_epilogue.h, BwdEpilogue: dK and dV from registers).
+//     (bwd_epilogue.h, BwdEpilogue: dK and dV from registers). At head dim 256 (Tr::kWide,
+//     bwd_mma_wide.h, BwdMmaWide) one computes S^T and P^T, the other dP^T and dS^T, and each
+//     takes half of the head dim of dV, dK and dQ.
 // setmaxnreg moves registers from the producer warpgroup to the consumers.
 //
 // The grid: blockIdx.x = (rank * kv_num_heads + g) * num_n_blocks + num_n_blocks - 1 - n, sequence
@@ -34,6 +36,7 @@
 #include "cuda/sm90/bwd_epilogue.h"
 #include "cuda/sm90/bwd_load.h"
 #include "cuda/sm90/bwd_mma.h"
+#include "cuda/sm90/bwd_mma_wide.h"
 #include "cuda/sm90/bwd_traits.h"
 #include "cuda/sm90/seq_order.cuh"
 
@@ -48,7 +51,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   const AttentionParams& p = bp.fwd;
   using Barrier = cutlass::arch::ClusterBarrier;
 
-  BwdBlock<kBlockM> blk;
+  BwdBlock<kBlockM, kBlockN> blk;
   {  // the grid's order (above)
     const int pair = int(blockIdx.x) / kp.num_n_blocks;
     blk.locate(p, bp.seq_order[pair / int(p.kv_num_heads)]);
@@ -69,7 +72,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       Barrier::init(&ss.empty[s], Tr::kConsumerWarps);
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 2 * Tr::kDqBuffers; ++i) {
       Barrier::init(&ss.full_dq[i / 2][i % 2], Tr::kConsumerWarps / 2);
       Barrier::init(&ss.empty_dq[i / 2][i % 2], 1);
     }
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   }
 
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
-  const BwdMma<Tr, kSoftcap> mainloop(p, ss);
+  const std::conditional_t<Tr::kWide, BwdMmaWide<Tr, kSoftcap>, BwdMma<Tr, kSoftcap>> mainloop(p, ss);
   Tensor tdVrdV = partition_fragment_C(typename Tr::TiledMmadKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor tdKrdK = partition_fragment_C(typename Tr::TiledMmadKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(tdVrdV);

@@ -10,10 +10,15 @@ namespace jax_varlen::cuda::sm90 {
 template <typename Element_, int kHeadDim_>
 struct BwdTraits {
   using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;  // bucket of max(D, Dv): 64 or 128
+  static constexpr int kHeadDim = kHeadDim_;  // bucket of max(D, Dv): 64, 128 or 256
+  // kWide (bucket 256, bwd_mma_wide.h): dK and dV of 128 keys would not fit the consumers'
+  // registers, so a CTA owns 64 keys, one warpgroup computes S^T and the other dP^T, and both
+  // split the head dim of dK, dV and dQ. Q and dO in one stage, one dQ buffer: shared memory.
+  static constexpr bool kWide = kHeadDim_ > 128;
   static constexpr int kBlockM = bwd_block_m(kHeadDim_);  // query rows per step
-  static constexpr int kBlockN = kBwdBlockN;  // keys per CTA, 64 per consumer warpgroup
-  static constexpr int kStages = 2;
+  static constexpr int kBlockN = bwd_block_n(kHeadDim_);  // keys per CTA (64 per warpgroup unless kWide)
+  static constexpr int kStages = kWide ? 1 : 2;
+  static constexpr int kDqBuffers = kWide ? 1 : 2;  // dQ partial buffers between consumers and writer
   static constexpr int kConsumerThreads = 256;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -23,16 +28,24 @@ struct BwdTraits {
                 "setmaxnreg past the launch's registers deadlocks (common.h, register_pool)");
 
   using SplitM = Layout<Shape<_2, _1, _1>>;  // warpgroups split the keys
-  using SplitN = Layout<Shape<_1, _2, _1>>;  // warpgroups split D (dQ)
+  using SplitN = Layout<Shape<_1, _2, _1>>;  // warpgroups split D (dQ; dK and dV if kWide)
+  using OneWg = Layout<Shape<_1, _1, _1>>;   // one warpgroup's tile (kWide: S^T or dP^T)
   // S^T [keys, rows] = K Q^T; dP^T = V dO^T (Dv <= kHeadDim, zero-padded).
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
-      SplitM{}));
-  // dV [keys, Dv] += P^T dO; dK [keys, D] += dS^T Q: A from registers, B MN-major.
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      SplitM{}));
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+      std::conditional_t<kWide, OneWg, SplitM>{}));
+  // dV [keys, Dv] += P^T dO; dK [keys, D] += dS^T Q, B MN-major: A from registers, or (kWide)
+  // from shared memory, where the other warpgroup's half of the head dim reads it too.
+  using TiledMmadKV = std::conditional_t<kWide,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim / 2>, Int<kBlockM>>,
+                               GMMA::Major::K, GMMA::Major::MN>(),
+          SplitN{})),
+      decltype(make_tiled_mma(
+          GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                               GMMA::Major::K, GMMA::Major::MN>(),
+          SplitM{}))>;
   // dQ [rows, D] = dS K, each warpgroup D / 2 columns of 64 rows, or 64 of 128 rows with all of
   // D. K^T is MN-major (K as TMA landed it); dS K-major (keys contiguous) at 128 rows, where
   // it is 13% faster on d64-full than MN-major (rows contiguous), and MN-major at 64 rows,
@@ -57,6 +70,8 @@ struct BwdTraits {
   // Q and dO [rows, dim] x stages, K and V [keys, dim]: dim contiguous, as TMA lands them.
   // dS x 2 buffers: [rows, keys] keys contiguous (kDsKMajor: a transposing stmatrix turns the
   // accumulator's dS^T around, as FlashAttention-3 does), else dS^T [keys, rows] rows contiguous.
+  // kWide keeps P^T in buffer 0 and dS^T in buffer 1 (one step's each: the wgmma A operands of
+  // dV and dK, and of dQ as dS, for both warpgroups).
   using SmemLayoutQ = KMajor<kBlockM, kHeadDim, kStages>;
   using SmemLayoutK = KMajor<kBlockN, kHeadDim, 1>;
   // Transposed views of the same bytes: Q^T and dO^T [dim, rows] and K^T [dim, keys] for the
@@ -102,13 +117,17 @@ struct alignas(1024) BwdSharedStorage {
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> v;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSStored>, 1024> d_s;
-  alignas(128) float d_q[2][2][Tr::kDqHalf];  // dQ partials [buffer][consumer warpgroup's half]
+  alignas(128) float d_q[Tr::kDqBuffers][2][Tr::kDqHalf];  // dQ partials [buffer][consumer warpgroup's half]
   float lse2[Tr::kStages][Tr::kBlockM];   // lse * log2 e of the step's rows, +inf past Sq
   float delta[Tr::kStages][Tr::kBlockM];  // delta of the step's rows, 0 past Sq
   uint64_t full_kv;                  // K and V landed
   uint64_t full[Tr::kStages];        // Q, dO, lse and delta of a step landed
   uint64_t empty[Tr::kStages];       // the consumers are done with the stage
-  uint64_t full_dq[2][2], empty_dq[2][2];  // [buffer][w]: consumer warpgroup w <-> dQ writer
+  uint64_t full_dq[Tr::kDqBuffers][2], empty_dq[Tr::kDqBuffers][2];  // [buffer][w]: consumer warpgroup w <-> dQ writer
+  // kWide: the S^T warpgroup's P (times 1 - tanh^2 with softcap) for the dP^T warpgroup's dS, fp32
+  // in the accumulators' register order (value v of thread t at (v / 4) * 512 + 4 t + v % 4).
+  // Last, so that it moves nothing else where it is unused.
+  alignas(16) float p_mul[Tr::kWide ? Tr::kBlockN * Tr::kBlockM : 4];
 };
 
 template <typename Tr>
@@ -125,7 +144,7 @@ struct BwdKernelParams {
 // coordinates of its pack) and the block's steps: row blocks [m_lo, m_hi) of each query head of
 // the group (those with a row that sees a key of the block: mask.h, row_range), and the key
 // blocks that row block m sees (mask.h, key_range: the dQ order runs over them).
-template <int kBlockM>
+template <int kBlockM, int kBlockN>
 struct BwdBlock {
   int b, g, n_block;
   int pack, q_start, k_start;  // the pack of b (b padded) and b's first query and key row in it
@@ -143,13 +162,13 @@ struct BwdBlock {
     n_block = n_block_;
     group = int(p.num_heads / p.kv_num_heads);
     h0 = g * group;
-    const Range rows = row_range(p.mask(), key0(), key0() + kBwdBlockN, n, len_q);
+    const Range rows = row_range(p.mask(), key0(), key0() + kBlockN, n, len_q);
     m_lo = rows.empty() ? 0 : int(rows.begin / kBlockM);
     m_hi = rows.empty() ? 0 : int((rows.end + kBlockM - 1) / kBlockM);
   }
   // The block's first key (a row of b's keys), and whether it has work: some of its keys are
   // b's (not wholly past n_b, in its rows of Skv; never so packed) and some row sees one.
-  __device__ int key0() const { return n_block * kBwdBlockN; }
+  __device__ int key0() const { return n_block * kBlockN; }
   __device__ bool has_work() const { return key0() < n && m_lo < m_hi; }
   __device__ void locate(const AttentionParams& p, int b_) {
     b = b_;
@@ -170,7 +189,7 @@ struct BwdBlock {
     const int last = m * kBlockM + kBlockM - 1;
     const Range keys = key_range(p.mask(), m * kBlockM, last < len_q ? last + 1 : len_q, n, len_q);
     if (keys.empty()) return make_int2(0, 0);
-    return make_int2(int(keys.begin / kBwdBlockN), int((keys.end + kBwdBlockN - 1) / kBwdBlockN));
+    return make_int2(int(keys.begin / kBlockN), int((keys.end + kBlockN - 1) / kBlockN));
   }
   // Element offset of (head h, row i of b) in lse and delta: [packs, heads, pack_rows_q].
   __device__ int64_t lse_index(const AttentionParams& p, int h, int i) const {
@@ -183,8 +202,10 @@ struct BwdBlock {
 };
 
 // Named barriers (bar.sync ids; 0 is __syncthreads): both consumer warpgroups (K tail zeroed,
-// dS^T written), and each consumer warpgroup's own (kOwnWg0 + w: its Q and dO tails zeroed).
-enum class BwdBarrier : int { kConsumers = 1, kOwnWg0 = 2, kOwnWg1 = 3 };
+// dS^T written; kWide: the step's shared tiles free), and each consumer warpgroup's own (kOwnWg0 +
+// w: its Q and dO tails zeroed); kWide's hand-overs, arrived at by one warpgroup and waited on
+// by the other: P^T and P's multiplier written (kPReady), dS^T written (kDsReady).
+enum class BwdBarrier : int { kConsumers = 1, kOwnWg0 = 2, kOwnWg1 = 3, kPReady = 4, kDsReady = 5 };
 
 // Thread roles: warpgroup 0 is the producer's -- its warp 0 loads (bwd_load.h), its warp 1 writes
 // the dQ partials (bwd_dq.h), warps 2 and 3 exit --, warpgroups 1 and 2 are the consumers
