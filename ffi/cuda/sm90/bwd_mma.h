@@ -23,21 +23,71 @@
 
 namespace jax_varlen::cuda::sm90 {
 
-// One consumer thread (ct = 0..255 over both warpgroups: warpgroup ct / 128 owns keys
-// [64 * (ct / 128), +64) of the block and dQ columns [D / 2 * (ct / 128), +D / 2)).
-template <typename Tr, bool kSoftcap>
-struct BwdMma {
-  using Element = typename Tr::Element;
+// What both consumer mainloops (BwdMma below, BwdMmaWide in bwd_mma_wide.h) share: consumer
+// thread ct (0..255; lane, warpgroup wg) and its view of the shared storage, and the steps
+// they take alike.
+template <typename Tr>
+struct BwdConsumerSteps {
   using Barrier = cutlass::arch::ClusterBarrier;
-  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
-  static_assert(!Tr::kWide && Tr::kDqBuffers == 2, "head dim 256 has its own mainloop (bwd_mma_wide.h)");
+  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kChunks = Tr::kHeadDim / 8;
 
   const AttentionParams& p;
   BwdSharedStorage<Tr>& ss;
   int ct, lane, wg;
 
-  __device__ __forceinline__ BwdMma(const AttentionParams& p, BwdSharedStorage<Tr>& ss)
+  __device__ __forceinline__ BwdConsumerSteps(const AttentionParams& p, BwdSharedStorage<Tr>& ss)
       : p(p), ss(ss), ct(threadIdx.x - 128), lane(threadIdx.x % 32), wg((threadIdx.x - 128) / 128) {}
+
+  // After K landed: zeros in K rows past n_b (dS K must not meet padding), by every consumer
+  // thread ct, then a sync of both warpgroups.
+  template <typename TK>
+  static __device__ __forceinline__ void zero_k_tail(TK& sK, int key0, int n, int ct) {
+    if (key0 + kBlockN <= n) return;
+    const int rows = n - key0;
+    for (int idx = ct; idx < (kBlockN - rows) * kChunks; idx += Tr::kConsumerThreads)
+      *reinterpret_cast<uint4*>(&sK(rows + idx / kChunks, (idx % kChunks) * 8, 0)) = make_uint4(0, 0, 0, 0);
+    cutlass::arch::fence_view_async_shared();
+    named_sync(int(BwdBarrier::kConsumers), Tr::kConsumerThreads);
+  }
+  // Packed: Q and dO rows [rows, kBlockM) of stage s hold another sequence's rows (or NaN of
+  // the unowned tail): zeros before the products. Both warpgroups write the same zeros (so
+  // neither waits for the other), then each fences its writes for wgmma and syncs its own 128
+  // threads (wt: the thread in warpgroup wg).
+  template <typename TQ>
+  static __device__ __forceinline__ void zero_q_tail(TQ& sQ, TQ& sdO, int s, int rows, int wt, int wg) {
+    for (int idx = wt; idx < (kBlockM - rows) * kChunks; idx += 128) {
+      const int r = rows + idx / kChunks, c = (idx % kChunks) * 8;
+      *reinterpret_cast<uint4*>(&sQ(r, c, s)) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(&sdO(r, c, s)) = make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();
+    named_sync(int(BwdBarrier::kOwnWg0) + wg, 128);
+  }
+  // The dQ partial (this warpgroup's half) to `half`, a buffer of d_q, in register order (value
+  // v of thread wt at (v / 4) * 512 + 4 wt + v % 4), then handed to the writer on `full`.
+  template <typename TdQ>
+  static __device__ __forceinline__ void hand_dq(float* half, uint64_t* full, const TdQ& tdQrdQ, int wt, int lane) {
+    constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
+#pragma unroll
+    for (int i = 0; i < kQ; i += 4)
+      *reinterpret_cast<float4*>(half + 4 * wt + i * 128) =
+          make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+    cutlass::arch::fence_view_async_shared();
+    __syncwarp();
+    if (lane == 0) Barrier::arrive(full);
+  }
+};
+
+// One consumer thread (ct = 0..255 over both warpgroups: warpgroup ct / 128 owns keys
+// [64 * (ct / 128), +64) of the block and dQ columns [D / 2 * (ct / 128), +D / 2)).
+template <typename Tr, bool kSoftcap>
+struct BwdMma : BwdConsumerSteps<Tr> {
+  using Steps = BwdConsumerSteps<Tr>;
+  using Steps::Steps, Steps::p, Steps::ss, Steps::ct, Steps::lane, Steps::wg;
+  using Element = typename Tr::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+  static_assert(!Tr::kWide && Tr::kDqBuffers == 2, "head dim 256 has its own mainloop (bwd_mma_wide.h)");
 
   // The block's walk: dK and dV (cleared by the caller) summed over every step, the ring's
   // stages from pipe on.
@@ -84,29 +134,8 @@ struct BwdMma {
     auto release = [&](uint64_t* bar) { __syncwarp(); if (lane == 0) Barrier::arrive(bar); };
 
     Barrier::wait(&ss.full_kv, 0);
-    if (key0 + kBlockN > n) {  // zero K rows past n_b: dS K must not meet padding
-      const int rows = n - key0;
-      constexpr int kChunks = kHeadDim / 8;
-      for (int idx = ct; idx < (kBlockN - rows) * kChunks; idx += Tr::kConsumerThreads)
-        *reinterpret_cast<uint4*>(&sK(rows + idx / kChunks, (idx % kChunks) * 8, 0)) = make_uint4(0, 0, 0, 0);
-      cutlass::arch::fence_view_async_shared();
-      named_sync(int(BwdBarrier::kConsumers), Tr::kConsumerThreads);
-    }
-
-    // Packed: Q and dO rows [rows, kBlockM) of stage s hold another sequence's rows (or NaN of the
-    // unowned tail): zeros before the products. Both warpgroups write the same zeros (so neither
-    // waits for the other), then each fences its writes for wgmma and syncs its own 128 threads.
+    Steps::zero_k_tail(sK, key0, n, ct);
     const bool packed = p.cu_seqlens_q != nullptr;
-    auto zero_q_tail = [&](int s, int rows) {
-      constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of one row
-      for (int idx = ct % 128; idx < (kBlockM - rows) * kChunks; idx += 128) {
-        const int r = rows + idx / kChunks, c = (idx % kChunks) * 8;
-        *reinterpret_cast<uint4*>(&sQ(r, c, s)) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(&sdO(r, c, s)) = make_uint4(0, 0, 0, 0);
-      }
-      cutlass::arch::fence_view_async_shared();
-      named_sync(int(BwdBarrier::kOwnWg0) + wg, 128);
-    };
 
     // An allowed pair of a real row i and a real key j: lo <= j - i <= hi (mask.h).
     const MaskSpec mask = p.mask();
@@ -120,11 +149,12 @@ struct BwdMma {
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Barrier::wait(&ss.full[stage], pipe.phase);
-        if (packed && row0 + kBlockM > len_q) zero_q_tail(stage, len_q - row0);
+        if (packed && row0 + kBlockM > len_q) Steps::zero_q_tail(sQ, sdO, stage, len_q - row0, ct % 128, wg);
         wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
         wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
         // Masking: needed unless every row of the block is real and sees every key of this block
         // (both bounds of a row's keys grow with the row: the first row's end, the last's begin).
+        // Written out here: as a call, it turned the masked loop's selects into branches.
         const bool masked = row0 + kBlockM > len_q || key_range(mask, row0, n, len_q).end < key0 + kBlockN ||
                             key_range(mask, row0 + kBlockM - 1, n, len_q).begin > key0;
         // The rows' lse into registers while the products run (from shared memory after the
@@ -211,15 +241,7 @@ struct BwdMma {
         // The dQ partial to this warpgroup's half of buffer `buf`, once the writer has read what
         // it held two steps ago.
         Barrier::wait(&ss.empty_dq[buf][wg], ((step >> 1) & 1) ^ 1);
-        {
-          constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
-          float* dst = ss.d_q[buf][wg] + 4 * (ct % 128);
-#pragma unroll
-          for (int i = 0; i < kQ; i += 4)
-            *reinterpret_cast<float4*>(dst + i * 128) = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
-        }
-        cutlass::arch::fence_view_async_shared();
-        release(&ss.full_dq[buf][wg]);
+        Steps::hand_dq(ss.d_q[buf][wg], &ss.full_dq[buf][wg], tdQrdQ, ct % 128, lane);
         warpgroup_wait<0>();  // dK
         warpgroup_fence_operand(tdKrdK);
         warpgroup_fence_operand(tdKrdS);  // its registers stay live until dK has read them

@@ -21,23 +21,18 @@
 // sequence zeroed, P and dS 0 at masked pairs (selected: dP^T may be NaN there).
 #pragma once
 
-#include "cuda/sm90/bwd_traits.h"
+#include "cuda/sm90/bwd_mma.h"  // BwdConsumerSteps
 
 namespace jax_varlen::cuda::sm90 {
 
 template <typename Tr, bool kSoftcap>
-struct BwdMmaWide {
+struct BwdMmaWide : BwdConsumerSteps<Tr> {
+  using Steps = BwdConsumerSteps<Tr>;
+  using Steps::Steps, Steps::p, Steps::ss, Steps::ct, Steps::lane, Steps::wg;
   using Element = typename Tr::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
   static_assert(Tr::kWide && Tr::kDqBuffers == 1 && kBlockM == 64 && kBlockN == 64);
-
-  const AttentionParams& p;
-  BwdSharedStorage<Tr>& ss;
-  int ct, lane, wg;
-
-  __device__ __forceinline__ BwdMmaWide(const AttentionParams& p, BwdSharedStorage<Tr>& ss)
-      : p(p), ss(ss), ct(threadIdx.x - 128), lane(threadIdx.x % 32), wg((threadIdx.x - 128) / 128) {}
 
   // The block's walk: dK and dV (this warpgroup's half of the head dim, cleared by the caller)
   // summed over every step, the ring's stages from pipe on.
@@ -85,27 +80,8 @@ struct BwdMmaWide {
     auto release = [&](uint64_t* bar) { __syncwarp(); if (lane == 0) Barrier::arrive(bar); };
 
     Barrier::wait(&ss.full_kv, 0);
-    if (key0 + kBlockN > n) {  // zero K rows past n_b: dS K must not meet padding
-      const int rows = n - key0;
-      constexpr int kChunks = kHeadDim / 8;
-      for (int idx = ct; idx < (kBlockN - rows) * kChunks; idx += Tr::kConsumerThreads)
-        *reinterpret_cast<uint4*>(&sK(rows + idx / kChunks, (idx % kChunks) * 8, 0)) = make_uint4(0, 0, 0, 0);
-      cutlass::arch::fence_view_async_shared();
-      named_sync(int(BwdBarrier::kConsumers), Tr::kConsumerThreads);
-    }
-    // Packed: zeros in Q and dO rows [rows, kBlockM) of stage s (another sequence's, or NaN);
-    // both warpgroups write the same zeros and sync their own 128 threads (bwd_mma.h).
+    Steps::zero_k_tail(sK, key0, n, ct);
     const bool packed = p.cu_seqlens_q != nullptr;
-    auto zero_q_tail = [&](int s, int rows) {
-      constexpr int kChunks = kHeadDim / 8;
-      for (int idx = wt; idx < (kBlockM - rows) * kChunks; idx += 128) {
-        const int r = rows + idx / kChunks, c = (idx % kChunks) * 8;
-        *reinterpret_cast<uint4*>(&sQ(r, c, s)) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(&sdO(r, c, s)) = make_uint4(0, 0, 0, 0);
-      }
-      cutlass::arch::fence_view_async_shared();
-      named_sync(int(BwdBarrier::kOwnWg0) + wg, 128);
-    };
     auto to_smem = [&](auto& acc, int buffer) {  // acc (fp32) as Element into d_s buffer `buffer`
       Tensor r = make_tensor_like<Element>(acc);
       cutlass::NumericArrayConverter<Element, float, kS> convert;
@@ -124,11 +100,11 @@ struct BwdMmaWide {
         const int stage = pipe.stage;
         Tensor tAcc = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // S^T or dP^T
         Barrier::wait(&ss.full[stage], pipe.phase);
-        if (packed && row0 + kBlockM > len_q) zero_q_tail(stage, len_q - row0);
+        if (packed && row0 + kBlockM > len_q) Steps::zero_q_tail(sQ, sdO, stage, len_q - row0, wt, wg);
         if (wg == 0) wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tAcc);
         else wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tAcc);
         const bool masked = row0 + kBlockM > len_q || key_range(mask, row0, n, len_q).end < key0 + kBlockN ||
-                            key_range(mask, row0 + kBlockM - 1, n, len_q).begin > key0;
+                            key_range(mask, row0 + kBlockM - 1, n, len_q).begin > key0;  // as in bwd_mma.h
         // lse (warpgroup 0) or delta (1) of the thread's rows while the product runs: element
         // c + 2 h + 4 j sits at row get<1>(cS(4 j)) + c (common.h).
         const float* stats = wg == 0 ? ss.lse2[stage] : ss.delta[stage];
@@ -190,15 +166,7 @@ struct BwdMmaWide {
         warpgroup_wait<1>();  // dV and dQ (dK in flight)
         warpgroup_fence_operand(tdQrdQ);
         Barrier::wait(&ss.empty_dq[0][wg], (step & 1) ^ 1);  // one buffer: the writer read the last
-        {
-          constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
-          float* dst = ss.d_q[0][wg] + 4 * wt;
-#pragma unroll
-          for (int i = 0; i < kQ; i += 4)
-            *reinterpret_cast<float4*>(dst + i * 128) = make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
-        }
-        cutlass::arch::fence_view_async_shared();
-        release(&ss.full_dq[0][wg]);
+        Steps::hand_dq(ss.d_q[0][wg], &ss.full_dq[0][wg], tdQrdQ, wt, lane);
         warpgroup_wait<0>();  // dK
         warpgroup_fence_operand(tdKrdK);
         release(&ss.empty[stage]);
