@@ -38,6 +38,19 @@ struct BwdConsumerSteps {
   __device__ __forceinline__ BwdConsumerSteps(const AttentionParams& p, BwdSharedStorage<Tr>& ss)
       : p(p), ss(ss), ct(threadIdx.x - 128), lane(threadIdx.x % 32), wg((threadIdx.x - 128) / 128) {}
 
+  // This warp's arrival on bar, once all its lanes are there.
+  __device__ __forceinline__ void release(uint64_t* bar) const {
+    __syncwarp();
+    if (lane == 0) Barrier::arrive(bar);
+  }
+  // The base-2 exponent of score s: z = s * scale * log2 e, or with softcap
+  // softcap * log2 e * tanh(s * scale / softcap): (the factor of s, the cap).
+  template <bool kSoftcap>
+  __device__ __forceinline__ float2 exponent_scales() const {
+    const float kLog2e = 1.4426950408889634f;
+    return make_float2(kSoftcap ? p.scale / p.softcap : p.scale * kLog2e, p.softcap * kLog2e);
+  }
+
   // After K landed: zeros in K rows past n_b (dS K must not meet padding), by every consumer
   // thread ct, then a sync of both warpgroups.
   template <typename TK>
@@ -66,15 +79,15 @@ struct BwdConsumerSteps {
   // The dQ partial (this warpgroup's half) to `half`, a buffer of d_q, in register order (value
   // v of thread wt at (v / 4) * 512 + 4 wt + v % 4), then handed to the writer on `full`.
   template <typename TdQ>
-  static __device__ __forceinline__ void hand_dq(float* half, uint64_t* full, const TdQ& tdQrdQ, int wt, int lane) {
+  __device__ __forceinline__ void hand_dq(float* half, uint64_t* full, const TdQ& tdQrdQ) const {
+    const int wt = ct % 128;
     constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
 #pragma unroll
     for (int i = 0; i < kQ; i += 4)
       *reinterpret_cast<float4*>(half + 4 * wt + i * 128) =
           make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
     cutlass::arch::fence_view_async_shared();
-    __syncwarp();
-    if (lane == 0) Barrier::arrive(full);
+    release(full);
   }
 };
 
@@ -83,7 +96,7 @@ struct BwdConsumerSteps {
 template <typename Tr, bool kSoftcap>
 struct BwdMma : BwdConsumerSteps<Tr> {
   using Steps = BwdConsumerSteps<Tr>;
-  using Steps::Steps, Steps::p, Steps::ss, Steps::ct, Steps::lane, Steps::wg;
+  using Steps::Steps, Steps::p, Steps::ss, Steps::ct, Steps::lane, Steps::wg, Steps::release;
   using Element = typename Tr::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
@@ -127,11 +140,8 @@ struct BwdMma : BwdConsumerSteps<Tr> {
     // (key, row) of this thread's S^T elements.
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
     constexpr int kS = decltype(size(cS))::value;  // 32 elements of S^T per thread
-    const float kLog2e = 1.4426950408889634f;
-    // z = s * scale * log2 e, or softcap * log2 e * tanh(s * scale / softcap) (base 2 exponents).
-    const float z_scale = kSoftcap ? p.scale / p.softcap : p.scale * kLog2e;
-    const float z_cap = p.softcap * kLog2e;
-    auto release = [&](uint64_t* bar) { __syncwarp(); if (lane == 0) Barrier::arrive(bar); };
+    const float2 z_scales = Steps::template exponent_scales<kSoftcap>();
+    const float z_scale = z_scales.x, z_cap = z_scales.y;
 
     Barrier::wait(&ss.full_kv, 0);
     Steps::zero_k_tail(sK, key0, n, ct);
@@ -241,7 +251,7 @@ struct BwdMma : BwdConsumerSteps<Tr> {
         // The dQ partial to this warpgroup's half of buffer `buf`, once the writer has read what
         // it held two steps ago.
         Barrier::wait(&ss.empty_dq[buf][wg], ((step >> 1) & 1) ^ 1);
-        Steps::hand_dq(ss.d_q[buf][wg], &ss.full_dq[buf][wg], tdQrdQ, ct % 128, lane);
+        this->hand_dq(ss.d_q[buf][wg], &ss.full_dq[buf][wg], tdQrdQ);
         warpgroup_wait<0>();  // dK
         warpgroup_fence_operand(tdKrdK);
         warpgroup_fence_operand(tdKrdS);  // its registers stay live until dK has read them

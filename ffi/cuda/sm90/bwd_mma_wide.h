@@ -28,7 +28,7 @@ namespace jax_varlen::cuda::sm90 {
 template <typename Tr, bool kSoftcap>
 struct BwdMmaWide : BwdConsumerSteps<Tr> {
   using Steps = BwdConsumerSteps<Tr>;
-  using Steps::Steps, Steps::p, Steps::ss, Steps::ct, Steps::lane, Steps::wg;
+  using Steps::Steps, Steps::p, Steps::ss, Steps::ct, Steps::lane, Steps::wg, Steps::release;
   using Element = typename Tr::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
@@ -74,10 +74,8 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
     constexpr int kS = decltype(size(cS))::value;  // 32 elements per thread
     static_assert(kS % 4 == 0);
     float* p_mul = ss.p_mul + 4 * wt;  // value v at p_mul[(v / 4) * 512 + v % 4]
-    const float kLog2e = 1.4426950408889634f;
-    const float z_scale = kSoftcap ? p.scale / p.softcap : p.scale * kLog2e;
-    const float z_cap = p.softcap * kLog2e;
-    auto release = [&](uint64_t* bar) { __syncwarp(); if (lane == 0) Barrier::arrive(bar); };
+    const float2 z_scales = Steps::template exponent_scales<kSoftcap>();
+    const float z_scale = z_scales.x, z_cap = z_scales.y;
 
     Barrier::wait(&ss.full_kv, 0);
     Steps::zero_k_tail(sK, key0, n, ct);
@@ -166,7 +164,7 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
         warpgroup_wait<1>();  // dV and dQ (dK in flight)
         warpgroup_fence_operand(tdQrdQ);
         Barrier::wait(&ss.empty_dq[0][wg], (step & 1) ^ 1);  // one buffer: the writer read the last
-        Steps::hand_dq(ss.d_q[0][wg], &ss.full_dq[0][wg], tdQrdQ, wt, lane);
+        this->hand_dq(ss.d_q[0][wg], &ss.full_dq[0][wg], tdQrdQ);
         warpgroup_wait<0>();  // dK
         warpgroup_fence_operand(tdKrdK);
         release(&ss.empty[stage]);
