@@ -52,9 +52,9 @@ struct BwdConsumerSteps {
   }
 
   // After K landed: zeros in K rows past n_b (dS K must not meet padding), by every consumer
-  // thread ct, then a sync of both warpgroups.
+  // thread, then a sync of both warpgroups.
   template <typename TK>
-  static __device__ __forceinline__ void zero_k_tail(TK& sK, int key0, int n, int ct) {
+  __device__ __forceinline__ void zero_k_tail(TK& sK, int key0, int n) const {
     if (key0 + kBlockN <= n) return;
     const int rows = n - key0;
     for (int idx = ct; idx < (kBlockN - rows) * kChunks; idx += Tr::kConsumerThreads)
@@ -65,10 +65,10 @@ struct BwdConsumerSteps {
   // Packed: Q and dO rows [rows, kBlockM) of stage s hold another sequence's rows (or NaN of
   // the unowned tail): zeros before the products. Both warpgroups write the same zeros (so
   // neither waits for the other), then each fences its writes for wgmma and syncs its own 128
-  // threads (wt: the thread in warpgroup wg).
+  // threads.
   template <typename TQ>
-  static __device__ __forceinline__ void zero_q_tail(TQ& sQ, TQ& sdO, int s, int rows, int wt, int wg) {
-    for (int idx = wt; idx < (kBlockM - rows) * kChunks; idx += 128) {
+  __device__ __forceinline__ void zero_q_tail(TQ& sQ, TQ& sdO, int s, int rows) const {
+    for (int idx = ct % 128; idx < (kBlockM - rows) * kChunks; idx += 128) {
       const int r = rows + idx / kChunks, c = (idx % kChunks) * 8;
       *reinterpret_cast<uint4*>(&sQ(r, c, s)) = make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(&sdO(r, c, s)) = make_uint4(0, 0, 0, 0);
@@ -144,7 +144,7 @@ struct BwdMma : BwdConsumerSteps<Tr> {
     const float z_scale = z_scales.x, z_cap = z_scales.y;
 
     Barrier::wait(&ss.full_kv, 0);
-    Steps::zero_k_tail(sK, key0, n, ct);
+    this->zero_k_tail(sK, key0, n);
     const bool packed = p.cu_seqlens_q != nullptr;
 
     // An allowed pair of a real row i and a real key j: lo <= j - i <= hi (mask.h).
@@ -159,7 +159,7 @@ struct BwdMma : BwdConsumerSteps<Tr> {
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Barrier::wait(&ss.full[stage], pipe.phase);
-        if (packed && row0 + kBlockM > len_q) Steps::zero_q_tail(sQ, sdO, stage, len_q - row0, ct % 128, wg);
+        if (packed && row0 + kBlockM > len_q) this->zero_q_tail(sQ, sdO, stage, len_q - row0);
         wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
         wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
         // Masking: needed unless every row of the block is real and sees every key of this block

@@ -78,7 +78,7 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
     const float z_scale = z_scales.x, z_cap = z_scales.y;
 
     Barrier::wait(&ss.full_kv, 0);
-    Steps::zero_k_tail(sK, key0, n, ct);
+    this->zero_k_tail(sK, key0, n);
     const bool packed = p.cu_seqlens_q != nullptr;
     auto to_smem = [&](auto& acc, int buffer) {  // acc (fp32) as Element into d_s buffer `buffer`
       Tensor r = make_tensor_like<Element>(acc);
@@ -98,7 +98,7 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
         const int stage = pipe.stage;
         Tensor tAcc = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // S^T or dP^T
         Barrier::wait(&ss.full[stage], pipe.phase);
-        if (packed && row0 + kBlockM > len_q) Steps::zero_q_tail(sQ, sdO, stage, len_q - row0, wt, wg);
+        if (packed && row0 + kBlockM > len_q) this->zero_q_tail(sQ, sdO, stage, len_q - row0);
         if (wg == 0) wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tAcc);
         else wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tAcc);
         const bool masked = row0 + kBlockM > len_q || key_range(mask, row0, n, len_q).end < key0 + kBlockN ||
