@@ -11,8 +11,9 @@
 //   warpgroup 1: dP^T = V dO^T (SS), waits on kPReady, dS^T = P (dP^T - delta) into d_s buffer
 //     1; arrives at kDsReady;
 //   both, each on its half of the head dim (TiledMmadKV and TiledMmadQ split N):
-//     dV += P^T dO (issued as soon as P^T is there), then after kDsReady dQ_part = dS K and
-//     dK += dS^T Q, all SS; the dQ partial goes to the writer (bwd_dq.h) as at d128.
+//     dV += P^T dO (issued as soon as P^T is there), then after kDsReady dK += dS^T Q (the
+//     stage's Q and dO are then released) and dQ_part = dS K, all SS; the dQ partial goes to
+//     the writer (bwd_dq.h) as at d128.
 // The step ends on a sync of both warpgroups (kConsumers): P^T, dS^T and p_mul are then free.
 // Per step each warpgroup issues 2 x 64 x 64 x 256 x 2 + ... = half the step's 10.5 MFLOP.
 // Registers: dK and dV halves 2 x 64, the dQ half 64 (after S^T or dP^T is dead), S^T or dP^T 32.
@@ -157,17 +158,20 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
           named_arrive(int(BwdBarrier::kDsReady), Tr::kConsumerThreads);
         }
 
-        // Both warpgroups, their half of the head dim: dQ_part = dS K, dK += dS^T Q.
+        // Both warpgroups, their half of the head dim: dK += dS^T Q first, the last read of the
+        // stage's Q and dO, so the stage is released -- and the next step's Q and dO (one stage:
+        // their latency is otherwise exposed once per step) load -- while dQ_part = dS K runs
+        // and is handed to the writer.
         Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, 1), tdQrKt, tdQrdQ);
         wgmma_issue<false>(mma_dkv, tdKVrA(_, _, _, 1), tdKrQt(_, _, _, stage), tdKrdK);
-        warpgroup_wait<1>();  // dV and dQ (dK in flight)
+        wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, 1), tdQrKt, tdQrdQ);
+        warpgroup_wait<1>();  // dV and dK (dQ in flight)
+        warpgroup_fence_operand(tdKrdK);
+        release(&ss.empty[stage]);
+        warpgroup_wait<0>();  // dQ
         warpgroup_fence_operand(tdQrdQ);
         Barrier::wait(&ss.empty_dq[0][wg], (step & 1) ^ 1);  // one buffer: the writer read the last
         this->hand_dq(ss.d_q[0][wg], &ss.full_dq[0][wg], tdQrdQ);
-        warpgroup_wait<0>();  // dK
-        warpgroup_fence_operand(tdKrdK);
-        release(&ss.empty[stage]);
         // Every product of the step has read P^T, dS^T and p_mul: the next step may write them.
         named_sync(int(BwdBarrier::kConsumers), Tr::kConsumerThreads);
         pipe.advance();
