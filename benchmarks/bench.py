@@ -1,17 +1,20 @@
-"""Times jax_varlen.attention against jax.nn.dot_product_attention (cudnn, xla) and, when it is
-importable, FlashAttention-3's JAX binding (flash-attn3-jax, impl "fa3") on named shapes:
-the forward ("fwd"), and a training step ("train": forward + backward of sum(out * dO) through
-jax.vjp) with the backward alone ("bwd"). The packed layout: jax_varlen.packed_attention
-("jax_varlen_packed") and FA3's flash_mha_varlen ("fa3_packed") on the same valid tokens with
-the padding dropped (class Packed). A shape with `lengths_q` (padded query rows, e.g.
-prefill-right-padded) passes them as nonpad_q_seqlen / query_seq_lengths / seqused_q; a shape
-The paged layout (decode-paged): jax_varlen.paged_attention ("jax_varlen_paged") and FA3's
-flash_mha_with_kvcache with page_table ("fa3_paged", best num_splits) on the same shuffled
-pages (class Paged); pass them with --impls. A shape
-an impl cannot run (a paged shape for a non-paged impl and the reverse, a windowed shape for an
-impl without a window, a packed-layout shape for a padded impl, padded
-query rows for an impl without a query-length argument) gets a record with the reason in
-`skipped` (skip_reason).
+"""Times jax_varlen.attention against jax.nn.dot_product_attention (cudnn, xla) and, when they
+are importable, FlashAttention-3's JAX binding (flash-attn3-jax, impl "fa3") and a current
+FlashAttention-3 build for JAX (dew-flash-attn-cu13's dew_flash_attn.flash_mha, impl "dew3":
+fixed-length, so full shapes only) on named shapes: the forward ("fwd"), and a training step
+("train": forward + backward of sum(out * dO) through jax.vjp) with the backward alone ("bwd").
+The packed layout: jax_varlen.packed_attention ("jax_varlen_packed"), FA3's flash_mha_varlen
+("fa3_packed") and dew_flash_attn.flash_mha_varlen with the keys by their own offsets
+("dew3_packed") on the same valid tokens with the padding dropped (class Packed). A shape with
+`lengths_q` (padded query rows, e.g. prefill-right-padded) passes them as nonpad_q_seqlen /
+query_seq_lengths / seqused_q. The paged layout (decode-paged): jax_varlen.paged_attention
+("jax_varlen_paged") and FA3's flash_mha_with_kvcache with page_table ("fa3_paged", best
+num_splits) on the same shuffled pages (class Paged); pass them with --impls. A shape an impl
+cannot run (a paged shape for a non-paged impl and the reverse, a windowed shape for an impl
+without a window, a packed-layout shape for a padded impl, padded query rows for an impl
+without a query-length argument, ragged lengths for dew3) gets a record with the reason in
+`skipped` (skip_reason). dew3 and dew3_packed are reported beside FA3 but are not the peers
+of the issues' targets (bench_report.BEST_OF, PACKED_TARGETS).
 
 On a GPU machine:   python3 benchmarks/bench.py [--shapes d128-full,...] [--decode] [--quick]
                     python3 benchmarks/bench.py --passes train      # train + bwd records
@@ -49,7 +52,12 @@ PEERS = ("cudnn", "xla")
 FA3 = "fa3"  # flash-attn3-jax: flash_mha_varlen with seqused_k = our lengths (bottom-right causal)
 OURS_PACKED = "jax_varlen_packed"  # jax_varlen.packed_attention on the packed tokens
 FA3_PACKED = "fa3_packed"  # flash_mha_varlen on the packed tokens (no seqused_k)
-PACKED_IMPLS = (OURS_PACKED, FA3_PACKED)
+# dew-flash-attn-cu13 (dew_flash_attn), a current FlashAttention-3 build for JAX with its own
+# backward: flash_mha on full shapes only (it takes no lengths), and flash_mha_varlen on the
+# packed tokens with the keys by their own offsets. Not a target peer (bench_report's BEST_OF).
+DEW3 = "dew3"
+DEW3_PACKED = "dew3_packed"
+PACKED_IMPLS = (OURS_PACKED, FA3_PACKED, DEW3_PACKED)
 OURS_PAGED = "jax_varlen_paged"  # jax_varlen.paged_attention on the paged cache
 FA3_PAGED = "fa3_paged"  # flash_mha_with_kvcache with page_table on the same cache
 PAGED_IMPLS = (OURS_PAGED, FA3_PAGED)
@@ -61,10 +69,11 @@ CHECK_SEQS = 2  # sequences compared against the fp32 reference
 FWD_SHAPES = ("d128-full", "d128-skewed", "d128-causal-full", "d128-causal-skewed", "d64-full",
               "d64-skewed", "d128-long-causal", "d128-long-causal-skewed", "prefill-right-padded")
 # Training records (issues 12, 31): these shapes, these impls (XLA's padded backward is not a
-# peer).
+# peer). dew3 and dew3_packed come last here and in --impls: under --budget-s a shape's
+# target peers are measured first.
 TRAIN_SHAPES = ("d128-full", "d128-skewed", "d128-causal-full", "d128-causal-skewed",
                 "d64-full", "d64-skewed", "prefill-right-padded")
-TRAIN_IMPLS = "jax_varlen,cudnn,fa3,jax_varlen_packed,fa3_packed"
+TRAIN_IMPLS = "jax_varlen,cudnn,fa3,jax_varlen_packed,fa3_packed,dew3,dew3_packed"
 EXTRA_DTYPES = "float16:d128-full,d128-skewed"  # forward only (issue 11)
 # (repeats, seconds per repeat): forward, forward --quick, train/bwd, train/bwd --quick
 TIMING = {"fwd": (7, 0.3), "fwd-quick": (3, 0.05), "train": (3, 0.2), "train-quick": (2, 0.05)}
@@ -80,7 +89,8 @@ def parse_args(argv=None):
                    help="forward shapes when --shapes is not given")
     p.add_argument("--passes", choices=("fwd", "train", "both"), default="fwd",
                    help="fwd: forward records; train: train + bwd records; both (default fwd)")
-    p.add_argument("--impls", default="jax_varlen,cudnn,fa3,xla,jax_varlen_packed,fa3_packed",
+    p.add_argument("--impls",
+                   default="jax_varlen,cudnn,fa3,xla,jax_varlen_packed,fa3_packed,dew3,dew3_packed",
                    help="forward impls")
     p.add_argument("--train-impls", default=TRAIN_IMPLS, help="train/bwd impls")
     p.add_argument("--train-shapes", default=",".join(TRAIN_SHAPES),
@@ -383,6 +393,42 @@ def fa3_fn():
     return (fn, packed, paged), None
 
 
+def dew3_fn():
+    """dew_flash_attn (the dew-flash-attn-cu13 wheel: FlashAttention-3's Hopper kernels as XLA
+    FFI targets, differentiated through the kernel's own backward) on our padded layout and on
+    the packed one ((padded, packed) fns), or (None, error) without it. Without a CUDA jax it
+    imports but its first call raises (no gpu backend), which the record keeps as its error.
+    Its window_size (left, right) counts keys before and after the query's bottom-right-aligned
+    position, as our local window does: the window pair goes in as it is."""
+    try:
+        import dew_flash_attn
+    except Exception as e:  # noqa: BLE001 - optional peer
+        return None, f"import dew_flash_attn: {type(e).__name__}: {e}"
+
+    def fn(q, k, v, n, n_q=None, *, scale, is_causal, window=None):
+        # flash_mha takes no lengths: full shapes only (skip_reason), where every n == Skv and
+        # no query row is padding (n_q is never given), so q [B, Sq, H, D] over the whole of
+        # k, v [B, Skv, Hkv, D] is our computation (its causal mask aligned to the last key).
+        del n, n_q
+        return dew_flash_attn.flash_mha(q, k, v, softmax_scale=float(scale), is_causal=is_causal,
+                                        window_size=(-1, -1) if window is None else tuple(window))
+
+    def packed(q, k, v, cu_q, cu_k, *, scale, is_causal, max_seqlen_q, max_seqlen_k, window=None):
+        # The keys always go by their own offsets (cu_k): without key_cu_seqlens flash_mha_varlen
+        # hands the kernel the queries' offsets twice, so giving both costs nothing and covers
+        # lengths_q != lengths. Causal with n_q != n_k (mixed-serve) is allowed, not skipped:
+        # dew_flash_attn documents its causal mask and window as each sequence's own, aligned to
+        # the last key as flash_mha's (FA3's varlen kernel offsets the diagonal by
+        # seqlen_k - seqlen_q per sequence), i.e. bottom-right like ours; the check against the
+        # fp32 reference on the first sequences (mixed-serve's first has n_q < n_k) would show
+        # MISMATCH otherwise.
+        return dew_flash_attn.flash_mha_varlen(
+            q, k, v, cu_q, max_seqlen_q, softmax_scale=float(scale), is_causal=is_causal,
+            window_size=(-1, -1) if window is None else tuple(window), key_cu_seqlens=cu_k,
+            key_max_seqlen=max_seqlen_k)
+    return (fn, packed), None
+
+
 def jax_varlen_fn(jax_varlen):
     """jax_varlen.attention as a padded impl; lengths_q goes in as nonpad_q_seqlen (where this
     build's attention takes it: otherwise NO_Q_LENGTHS says so)."""
@@ -452,11 +498,17 @@ def build_impls(names, jax_varlen, import_errors):
                 import_errors[name] = err
             else:
                 impls[name] = (fns[(FA3, FA3_PACKED, FA3_PAGED).index(name)], metrics.TAIL)
+        elif name in (DEW3, DEW3_PACKED):
+            fns, err = dew3_fn()
+            if fns is None:
+                import_errors[name] = err
+            else:
+                impls[name] = (fns[(DEW3, DEW3_PACKED).index(name)], metrics.TAIL)
         elif name in PEERS:
             impls[name] = (jax_nn_fn(name), metrics.TOP_LEFT)
         else:
-            sys.exit(f"unknown impl {name!r}; known: {report.OURS}, {FA3}, {', '.join(PEERS)}, "
-                     f"{', '.join(PACKED_IMPLS)}, {', '.join(PAGED_IMPLS)}")
+            sys.exit(f"unknown impl {name!r}; known: {report.OURS}, {FA3}, {DEW3}, "
+                     f"{', '.join(PEERS)}, {', '.join(PACKED_IMPLS)}, {', '.join(PAGED_IMPLS)}")
     return impls
 
 
@@ -559,10 +611,10 @@ def skip_reason(impl, shape, pass_):
         return "paged_attention is forward only"
     if layout not in ("padded", "packed", "paged"):
         return f"layout {layout!r}: not run by bench.py"
+    ragged = metrics.has_q_padding(shape) or any(n != shape["Skv"] for n in shape["lengths"])
     if shape.get("local_window_size") is not None:
         if impl == FA3_PACKED:
             return "flash_attn3_jax's flash_mha_varlen takes no window_size"
-        ragged = metrics.has_q_padding(shape) or any(n != shape["Skv"] for n in shape["lengths"])
         if impl == FA3 and ragged:
             return ("flash_attn3_jax's windowed kernel (flash_mha) is fixed-length: "
                     "ragged lengths are not comparable")
@@ -572,6 +624,11 @@ def skip_reason(impl, shape, pass_):
         return "forward only (train: false in shapes.json)"
     if layout == "packed" and impl not in PACKED_IMPLS:
         return f"packed layout: run by the packed impls only ({', '.join(PACKED_IMPLS)})"
+    # dew3_packed runs every shape (window and causal with lengths_q != lengths included: see
+    # dew3_fn); dew3 takes no lengths at all.
+    if impl == DEW3 and ragged:
+        return ("dew_flash_attn's flash_mha is fixed-length (no sequence lengths): ragged "
+                "lengths are not comparable")
     if metrics.has_q_padding(shape) and impl in NO_Q_LENGTHS:
         return NO_Q_LENGTHS[impl]
     return None
@@ -800,7 +857,8 @@ def cudnn_version():
 
 def package_versions():
     names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
-             "jax-cuda12-pjrt", "jax_varlen", "flash-attn3-jax", "nvidia-cutlass")
+             "jax-cuda12-pjrt", "jax_varlen", "flash-attn3-jax", "dew-flash-attn-cu13",
+             "nvidia-cutlass")
     versions = {}
     for n in names:
         try:
@@ -880,7 +938,8 @@ def main(argv=None):
     jobs += [(n, dtype, "fwd") for dtype, ns in extras for n in ns]
     jobs += [(n, args.dtype, "train") for n in train_shapes]
     print(f"{device}, jax {jax.__version__}, cudnn {base['cudnn_version']}, flash-attn3-jax "
-          f"{versions.get('flash-attn3-jax')}; forward impls {fwd_names}, train impls "
+          f"{versions.get('flash-attn3-jax')}, dew-flash-attn-cu13 "
+          f"{versions.get('dew-flash-attn-cu13')}; forward impls {fwd_names}, train impls "
           f"{train_impl_names}; {len(jobs)} (shape, dtype, pass) jobs", flush=True)
 
     tag = args.tag or {"fwd": "fwd", "train": "train", "both": "fwd-train"}[args.passes]

@@ -3,9 +3,11 @@
     python3 benchmarks/bench_report.py RESULTS.json [MORE.json ...]
 
 prints the summary of one or more result files (e.g. the forward call's and the training
-call's): per shape and pass, ours / cuDNN / FA3 / XLA effective TFLOP/s, ours over the best of
-cuDNN and FA3 (or the peers TARGET_PEERS names for the shape), and the issue's target for it;
-then the packed layout's table (issue 13), which also holds the packed-layout shapes.
+call's): per shape and pass, ours / cuDNN / FA3 / dew3 / XLA effective TFLOP/s, ours over the
+best of cuDNN and FA3 (or the peers TARGET_PEERS names for the shape), and the issue's target
+for it; then the packed layout's table (issue 13), which also holds the packed-layout shapes.
+dew3 (dew-flash-attn-cu13, a current FlashAttention-3 build) is shown where it ran, not
+counted in the targets' ratios: the issues name cuDNN and flash-attn3-jax.
 """
 
 import json
@@ -14,9 +16,10 @@ import sys
 
 OURS = "jax_varlen"
 OURS_PACKED, FA3_PACKED = "jax_varlen_packed", "fa3_packed"  # the packed layout (issue 13)
+DEW3, DEW3_PACKED = "dew3", "dew3_packed"  # shown beside FA3; no target names them
 OURS_PAGED = "jax_varlen_paged"  # the paged layout (issue 34): paged_attention
 BEST_OF = ("cudnn", "fa3")  # the peers a target ratio is measured against
-SUMMARY_IMPLS = (OURS, "cudnn", "fa3", "xla")
+SUMMARY_IMPLS = (OURS, "cudnn", "fa3", DEW3, "xla")
 
 # Targets, bf16, ratio ours / max(cuDNN, FA3) in the same run (max over TARGET_PEERS[shape]
 # where it names the peers). Forward: issue 11 (Hopper forward), with 640 TFLOP/s absolute on
@@ -161,12 +164,14 @@ def summary_rows(records, shapes=None):
 
 
 def summary_table(records, shapes=None):
-    """Markdown: per padded shape and pass, the effective TFLOP/s of ours and the peers, ours
-    over the best of cuDNN and FA3 (TARGET_PEERS), and the target (bf16; forward: issue 11,
+    """Markdown: per padded shape and pass, the effective TFLOP/s of ours and the peers
+    (SUMMARY_IMPLS; '-' where one has no number), ours over the best of cuDNN and FA3
+    (TARGET_PEERS; dew3 is shown, not counted), and the target (bf16; forward: issue 11,
     train: issue 12, prefill-right-padded: issue 31). Packed-layout shapes are left to
     packed_table."""
-    lines = ["| shape | dtype | pass | ours | cuDNN | FA3 | XLA | ours / best | target | met |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| shape | dtype | pass | ours | cuDNN | FA3 | dew3 | XLA | ours / best | target "
+             "| met |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for row in summary_rows(records, shapes):
         if shapes is not None and _is_packed(shapes.get(row["shape"], {})):
             continue
@@ -187,18 +192,20 @@ def packed_table(records, shapes=None):
     """Markdown: per shape and pass with packed records, effective TFLOP/s of jax_varlen padded
     and packed and FA3 padded and packed; packed / padded and packed / FA3 packed against
     PACKED_TARGETS (bf16; a packed-layout shape has no padded records, and only the FA3 packed
-    ratio decides). '' when no record is packed."""
+    ratio decides); then dew3 packed and packed / dew3 packed, shown, not a target ('-' where
+    dew3_packed did not run). '' when no record is packed."""
     rows = [r for r in summary_rows(records, shapes) if OURS_PACKED in r["eff"]]
     if not rows:
         return ""
     lines = ["| shape | dtype | pass | padded | packed | packed / padded | FA3 | FA3 packed "
-             "| packed / FA3 packed | met |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| packed / FA3 packed | dew3 packed | packed / dew3 packed | met |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         eff = row["eff"]
         ours = eff[OURS_PACKED]
         vs_padded = ours / eff[OURS] if eff.get(OURS) else None
         vs_fa3 = ours / eff[FA3_PACKED] if eff.get(FA3_PACKED) else None
+        vs_dew3 = ours / eff[DEW3_PACKED] if eff.get(DEW3_PACKED) else None
         met = ""
         packed_only = shapes is not None and _is_packed(shapes.get(row["shape"], {}))
         if row["dtype"] == TARGET_DTYPE and vs_fa3 is not None and (vs_padded is not None
@@ -209,7 +216,7 @@ def packed_table(records, shapes=None):
         rate = lambda i: _fmt(eff.get(i), ".0f" if eff.get(i, 0) >= 10 else ".3g") or "-"  # noqa: E731
         cells = [rate(OURS), rate(OURS_PACKED), _fmt(vs_padded, ".3f") or "-",
                  rate("fa3"), rate(FA3_PACKED)]
-        cells.append(_fmt(vs_fa3, ".2f") or "-")
+        cells += [_fmt(vs_fa3, ".2f") or "-", rate(DEW3_PACKED), _fmt(vs_dew3, ".2f") or "-"]
         lines.append(f"| {row['shape']} | {_short_dtype(row['dtype'])} | {row['pass']} | "
                      + " | ".join(cells) + f" | {met} |")
     return "\n".join(lines)

@@ -8,7 +8,9 @@ compiles), so `--launch-count 2` per shape profiles a warm launch too. A shape's
 rows (lengths_q) go in as nonpad_q_seqlen; --packed calls packed_attention on the shape's valid
 tokens instead (bench.Packed, as the benchmark's jax_varlen_packed); --fa3 with --packed runs
 FA3's flash_mha_varlen on the same tokens instead (the peer's kernel, side by side with ours in
-another ncu run; its kernels match -k "regex:flash|Flash|device_kernel"). A paged shape
+another ncu run; its kernels match -k "regex:flash|Flash|device_kernel"); --dew3 runs the
+current FA3 build (dew_flash_attn) instead: flash_mha on a padded shape (its lengths ignored:
+full shapes only), flash_mha_varlen by the queries' and keys' offsets with --packed. A paged shape
 (decode-paged) runs paged_attention on bench.Paged's shuffled cache, or with --fa3
 flash_mha_with_kvcache with page_table (bench's fa3_paged, its default num_splits). --runs N: N calls instead
 of 2 (kernel_times.py finds one call's kernels as the launches that repeat at the end). With --grad each call
@@ -25,7 +27,7 @@ import jax
 import bench
 
 
-def call(jax_varlen, shape, packed, fa3=False):
+def call(jax_varlen, shape, packed, fa3=False, dew3=False):
     """(fn, args): the shape's padded call (lengths_q, where the shape has them, as
     nonpad_q_seqlen), or with `packed` the packed call on its valid tokens (bench.Packed): ours,
     or FA3's with `fa3`."""
@@ -41,6 +43,15 @@ def call(jax_varlen, shape, packed, fa3=False):
             return functools.partial(fns[2], scale=scale, is_causal=causal), paged_args
         return functools.partial(bench.jax_varlen_paged_fn(jax_varlen), scale=scale,
                                  is_causal=causal), paged_args
+    if dew3:  # the current FA3 build (dew_flash_attn): fixed-length, or packed by offsets
+        import dew_flash_attn
+        if packed:
+            pk = bench.Packed(shape)
+            return (lambda q, k, v, cq, ck: dew_flash_attn.flash_mha_varlen(
+                q, k, v, cq, pk.hints["max_seqlen_q"], softmax_scale=scale, is_causal=causal,
+                key_cu_seqlens=ck, key_max_seqlen=pk.hints["max_seqlen_k"])), pk.pack(*inputs)
+        return (lambda q, k, v, *lengths: dew_flash_attn.flash_mha(
+            q, k, v, softmax_scale=scale, is_causal=causal)), inputs
     if packed:
         pk = bench.Packed(shape)
         if fa3:
@@ -55,13 +66,13 @@ def call(jax_varlen, shape, packed, fa3=False):
         q, k, v, n, nonpad_q_seqlen=n_q, is_causal=causal)), inputs
 
 
-def main(names, grad, packed, runs, fa3=False):
+def main(names, grad, packed, runs, fa3=False, dew3=False):
     jax_varlen, error = bench.import_jax_varlen()
     if jax_varlen is None:
         sys.exit(error)
     shapes = bench.load_shapes()
     for name in names:
-        attn, inputs = call(jax_varlen, shapes[name], packed, fa3)
+        attn, inputs = call(jax_varlen, shapes[name], packed, fa3, dew3)
         f = jax.jit(attn)
         if grad:
             f = jax.jit(jax.grad(lambda *a: attn(*a).astype(jax.numpy.float32).sum(), argnums=(0, 1, 2)))
@@ -75,6 +86,6 @@ if __name__ == "__main__":
     runs = int(args[args.index("--runs") + 1]) if "--runs" in args else 2
     if "--runs" in args:
         del args[args.index("--runs"):args.index("--runs") + 2]
-    flags = {"--grad", "--packed", "--fa3"}
+    flags = {"--grad", "--packed", "--fa3", "--dew3"}
     main([a for a in args if a not in flags] or ["d128-full", "decode-full"], "--grad" in args,
-         "--packed" in args, runs, "--fa3" in args)
+         "--packed" in args, runs, "--fa3" in args, "--dew3" in args)
