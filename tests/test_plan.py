@@ -76,6 +76,30 @@ def test_split_chunk_knob(monkeypatch):
         assert got["fwd_workspace_per_pack"] == 2 * chunks * 16 * (128 + 1), value
 
 
+def test_forward_prefetch_knob(monkeypatch):
+    """JAX_VARLEN_FWD_PREFETCH (a benchmark knob) sets the Hopper forward's L2 prefetch distance
+    to 0..8 key tiles on unpaged calls it takes; any other value keeps the default; other paths
+    and paged calls get 0. It sizes no workspace."""
+    if not _ffi.extension().with_sm90:
+        monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", "3")
+        assert plan(Sq=300, compute_major=9)["fwd_prefetch_tiles"] == 0
+        return
+    default = plan(Sq=300, compute_major=9)
+    assert default["fwd_path"] == "sm90_one_pass" and 0 <= default["fwd_prefetch_tiles"] <= 8
+    for value, want in (("0", 0), ("3", 3), ("8", 8), ("9", None), ("-1", None), ("2x", None),
+                        ("", None)):
+        monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", value)
+        got = plan(Sq=300, compute_major=9)
+        assert got["fwd_prefetch_tiles"] == (default["fwd_prefetch_tiles"] if want is None else want), value
+        assert workspaces(got) == workspaces(default), value
+    monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", "3")
+    assert plan(Sq=300, compute_major=8)["fwd_prefetch_tiles"] == 0  # the sm80 kernels
+    assert plan(Sq=4, compute_major=9)["fwd_prefetch_tiles"] == 0  # split-KV
+    monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
+    paged = plan(Sq=300, compute_major=9, page_size=64)
+    assert paged["fwd_path"] == "sm90_one_pass" and paged["fwd_prefetch_tiles"] == 0
+
+
 @pytest.mark.parametrize("case", ["float32", "odd-head-dim", "odd-value-head-dim"])
 def test_portable_calls_take_no_workspace(case):
     """Float32 and head sizes off the multiples of 8 run the portable kernels at any query

@@ -111,6 +111,9 @@ struct AttentionParams {
   // Lean units (the plan sets it, plan/plan.h; with dynamic_units): the Hopper forward's lean
   // kernels, compiled for the traits of limits.h's fwd_sm90_lean_kernels alone.
   bool lean_units = false;
+  // The Hopper forward producer's L2 prefetch distance in key tiles (the plan sets it:
+  // limits.h, kFwdPrefetchTiles; 0 = none).
+  int fwd_prefetch_tiles = 0;
 
   float scale;    // multiplies <q, k>
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)

@@ -59,6 +59,14 @@ constexpr int fwd_sm90_block_n(int bucket, bool banded) {
 // sm90/fwd_sm90.cuh) exist for bucket and block_n: the others (d128 at 176 keys, d256) would
 // spill inside the mainloop with the idle path (benchmarks/NOTES.md).
 constexpr bool fwd_sm90_lean_kernels(int bucket, int block_n) { return bucket <= 128 && block_n <= 128; }
+// Its producer's L2 prefetch distance (the plan's fwd_prefetch_tiles): while it loads key tile
+// t of a unit into shared memory it asks the L2 for the K and V tiles kFwdPrefetchTiles further
+// along (cp.async.bulk.prefetch), so a unit that streams keys faster than it computes on them
+// (a decode row's: a few real query rows per tile) has more bytes in flight than its two
+// shared-memory stages hold. 0: none (not yet measured on a GPU; JAX_VARLEN_FWD_PREFETCH=n
+// sets it per process, benchmarks/NOTES.md).
+constexpr int kFwdPrefetchTiles = 0;
+constexpr int kFwdMaxPrefetchTiles = 8;
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of bwd_block_n(bucket) keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the

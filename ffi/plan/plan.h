@@ -79,6 +79,9 @@ struct Plan {
   // the producer decodes each unit once for the consumers, and a consumer warpgroup whose rows
   // all lie past a unit's only follows the barriers for it (sm90/fwd_sm90.cuh).
   bool lean_units = false;
+  // The Hopper forward's L2 prefetch distance in key tiles (limits.h, kFwdPrefetchTiles; 0 =
+  // none): unpaged calls only (a paged call's tiles are gathered by cp.async, page by page).
+  int fwd_prefetch_tiles = 0;
   // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
   // workspace, float32 elements per pack (tiles and counters, layout: plan/limits.h); all 0
   // when the call never takes that kernel.
@@ -112,6 +115,17 @@ inline int64_t split_keys_setting() {
   char* end = nullptr;
   const long n = std::strtol(v, &end, 10);
   return end != v && *end == '\0' && n >= 128 && n <= 8192 && n % 128 == 0 ? n : cuda::kSplitKeys;
+}
+
+// JAX_VARLEN_FWD_PREFETCH=n, 0 <= n <= kFwdMaxPrefetchTiles, sets the Hopper forward's L2
+// prefetch distance (a benchmark knob; it moves no bit: prefetches change no value); unset or
+// anything else: kFwdPrefetchTiles.
+inline int fwd_prefetch_setting() {
+  const char* v = std::getenv("JAX_VARLEN_FWD_PREFETCH");
+  if (v == nullptr) return cuda::kFwdPrefetchTiles;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return end != v && *end == '\0' && n >= 0 && n <= cuda::kFwdMaxPrefetchTiles ? int(n) : cuda::kFwdPrefetchTiles;
 }
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
@@ -183,6 +197,7 @@ inline Plan make_plan(const PlanInputs& in) {
     const bool banded = in.is_causal || in.window_left >= 0 || in.window_right >= 0;
     plan.fwd_block_n = c::fwd_sm90_block_n(bucket, banded && in.page_size == 0);
     plan.lean_units = plan.dynamic_units && c::fwd_sm90_lean_kernels(bucket, plan.fwd_block_n);
+    plan.fwd_prefetch_tiles = in.page_size == 0 ? fwd_prefetch_setting() : 0;
   }
 
   // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim (and the wide one's,
