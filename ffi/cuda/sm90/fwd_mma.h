@@ -139,15 +139,20 @@ struct FwdMma {
   // (row, column) of this thread's S elements, the same as O's row-wise.
   decltype(std::declval<const ThrQK&>().partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}))) cS;
 
+  // The operands' shared-memory descriptors depend on the warpgroup alone: they are built from
+  // its first thread, a warp-uniform value (the shuffle says so to the compiler), so they stay
+  // in uniform registers instead of being copied there before every product (R2UR).
   __device__ __forceinline__ FwdMma(SharedStorage<Tr>& ss, int ct)
+      : FwdMma(ss, ct, __shfl_sync(0xffffffff, ct / 128, 0) * 128) {}
+  __device__ __forceinline__ FwdMma(SharedStorage<Tr>& ss, int ct, int wg_thread0)
       : ss(ss), ct(ct), cwg(ct / 128), warp_leader(threadIdx.x % 32 == 0),
         sVt(make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutVt{})),
-        tSrQ(mma_qk.get_thread_slice(ct).partition_fragment_A(sQ())),
-        tSrK(mma_qk.get_thread_slice(ct).partition_fragment_B(sK())),
-        tSrQh(mma_qk_half.get_thread_slice(ct).partition_fragment_A(sQ())),
-        tSrKh(mma_qk_half.get_thread_slice(ct).partition_fragment_B(  // the first kHalfN rows of each K stage
+        tSrQ(mma_qk.get_thread_slice(wg_thread0).partition_fragment_A(sQ())),
+        tSrK(mma_qk.get_thread_slice(wg_thread0).partition_fragment_B(sK())),
+        tSrQh(mma_qk_half.get_thread_slice(wg_thread0).partition_fragment_A(sQ())),
+        tSrKh(mma_qk_half.get_thread_slice(wg_thread0).partition_fragment_B(  // the first kHalfN rows of each K stage
             local_tile(sK(), ShapeKh{}, make_coord(0, 0, 0)))),
-        tOrV(mma_pv.get_thread_slice(ct).partition_fragment_B(sVt)),
+        tOrV(mma_pv.get_thread_slice(wg_thread0).partition_fragment_B(sVt)),
         cS(mma_qk.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}))) {}
 
   __device__ __forceinline__ SQ sQ() const { return make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{}); }
