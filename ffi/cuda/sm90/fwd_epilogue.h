@@ -86,16 +86,20 @@ struct FwdEpilogue {
           any ? finish_row</*kBase2=*/true>(softmax.m[rr], sum, sink_of(p, head)) : RowFinish{0.0f, empty_row_lse(p, head)};
       const float inv = fin.inv;
       Element* o = dst.out + int64_t(r.row_of[rr]) * p.out_row_stride + dh * p.out_head_stride;
-#pragma unroll
-      for (int j = 0; j < kDT; ++j) {
+      auto store_pair = [&](int j) {
         const int i = 4 * j + 2 * rr;
-        const int col = get<1>(cO(i));
-        if (col < p.head_dim_v) {
-          cutlass::Array<Element, 2> pair;
-          pair[0] = Element(tOrO(i) * inv);
-          pair[1] = Element(tOrO(i + 1) * inv);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(o + col) = pair;
-        }
+        cutlass::Array<Element, 2> pair;
+        pair[0] = Element(tOrO(i) * inv);
+        pair[1] = Element(tOrO(i + 1) * inv);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(o + get<1>(cO(i))) = pair;
+      };
+      if (p.head_dim_v == kHeadDim) {  // every column is real: stores at constant offsets from o
+#pragma unroll
+        for (int j = 0; j < kDT; ++j) store_pair(j);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kDT; ++j)
+          if (get<1>(cO(4 * j + 2 * rr)) < p.head_dim_v) store_pair(j);
       }
       if ((lane & 3) == 0) dst.lse[dh * dst.lse_head_stride + r.row_of[rr]] = fin.lse;
     }
