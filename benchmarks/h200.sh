@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [sweep] [sinks] [ab] [ncu] [cmd]
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [prefetch] [sweep] [sinks] [ab] [ncu] [cmd]
 #   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
 # GPU-only files tests/test_gpu_*.py); bench = the forward on bench.py's FWD_SHAPES (issue 11's
 # eight and prefill-right-padded; bf16, plus f16 of d128-full and d128-skewed), jax_varlen /
 # cuDNN / FA3 / XLA and the packed pair; train = train + bwd records (jax_varlen / cuDNN / FA3
 # and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; chunks = the decode
-# shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); sweep = the
+# shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); prefetch = the
+# Hopper forward's L2 prefetch distances PREFETCHES ("0 2 4") on PREFETCH_SHAPES (mixed-serve,
+# docs-causal, d128-full; packed impls; PREFETCH_S 100 s); sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
 # 120 s); ab = a base build against this one (AB_BASE, AB_SHAPES, AB_S 500 s; see the stage);
 # ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
@@ -164,9 +166,29 @@ for stage in $STAGES; do
     sweep) L=$(limit "${SWEEP_S:-240}") || { echo "sweep: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/decode_sweep.py" --out "$OUT" \
         --budget-s $((L - 30)) 2>&1 | tee "$OUT/decode_sweep.log" | tail -24 ;;
+    prefetch) L=$(limit "${PREFETCH_S:-100}") || { echo "prefetch: skipped (time)"; continue; }
+      # The Hopper forward's L2 prefetch distance (JAX_VARLEN_FWD_PREFETCH, plan.h: read per
+      # call) on PREFETCH_SHAPES: one bench.py process per distance in PREFETCHES, equal shares,
+      # the packed peers (FA3, dew3) in the first process only.
+      set -- ${PREFETCHES:-0 2 4}
+      share=$((L / $#)); first=1
+      for a in "$@"; do
+        impls=jax_varlen_packed; ((first)) && impls=jax_varlen_packed,fa3_packed,dew3_packed
+        JAX_VARLEN_FWD_PREFETCH=$a timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/prefetch$a" \
+          --tag prefetch --budget-s $((share - 15)) --no-plot --extra-dtype none \
+          --shapes "${PREFETCH_SHAPES:-mixed-serve,docs-causal,d128-full}" --impls "$impls" \
+          >"$OUT/prefetch$a.log" 2>&1
+        echo "prefetch $a:"; grep -E "^  [a-z0-9-]+ +bf16" "$OUT/prefetch$a.log" | grep -v skipped | cut -c1-110
+        first=0
+      done ;;
     cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
       R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
-    *) echo "unknown stage $stage (tests bench train decode chunks sweep sinks ab ncu cmd)"; continue ;;
+    *) echo "unknown stage $stage (tests bench train decode chunks prefetch sweep sinks ab ncu cmd)"; continue ;;
   esac
   echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done
+# The device tool brings back a few files of $OUT at most: past 8, everything goes into one archive.
+if (($(find "$OUT" -type f | wc -l) > 8)); then
+  tar czf /tmp/out-all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/out-all.tgz "$OUT/all.tgz"
+  echo "results: $OUT/all.tgz"
+fi
