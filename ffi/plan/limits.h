@@ -71,7 +71,7 @@ constexpr int kFwdMaxPrefetchTiles = 8;
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of bwd_block_n(bucket) keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the
 // sm80 kernels; 256 too in a build with JAX_VARLEN_BWD256=ON, cmake/cuda.cmake: the wide
-// kernel, sm90/bwd_mma_wide.h, compiled but not yet run on a GPU). Its dQ workspace (float32
+// kernel, sm90/bwd_mma_wide.h: its first GPU tests pass, not yet timed). Its dQ workspace (float32
 // elements, an XLA output the CUDA backward always gets, sized by the plan, ffi/plan/plan.h):
 //   dq_accum     [packs, num_heads, slots, block_m * bucket]   slots = bwd_dq_slots(...)
 //                (each row block's tile in the consumers' register order, bwd_sm90.cuh)
