@@ -106,26 +106,22 @@ inline bool switch_is(const char* name, char value) {
 }
 inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
 inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
-// JAX_VARLEN_SPLIT_KEYS=n, a multiple of 128 in [128, 8192], sets the split-KV chunk (a
-// benchmark knob: the chunk stays one constant per process, so results stay batch invariant);
-// unset or anything else: kSplitKeys.
-inline int64_t split_keys_setting() {
-  const char* v = std::getenv("JAX_VARLEN_SPLIT_KEYS");
-  if (v == nullptr) return cuda::kSplitKeys;
+// The integer in environment variable `name` when it is one whole number in [lo, hi] and a
+// multiple of `step`; unset or anything else: `fallback`.
+inline long long int_setting(const char* name, long long lo, long long hi, long long step, long long fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
   char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  return end != v && *end == '\0' && n >= 128 && n <= 8192 && n % 128 == 0 ? n : cuda::kSplitKeys;
+  const long long n = std::strtoll(v, &end, 10);
+  return end != v && *end == '\0' && n >= lo && n <= hi && n % step == 0 ? n : fallback;
 }
-
+// JAX_VARLEN_SPLIT_KEYS=n, a multiple of 128 in [128, 8192], sets the split-KV chunk (a
+// benchmark knob: the chunk stays one constant per process, so results stay batch invariant).
+inline int64_t split_keys_setting() { return int_setting("JAX_VARLEN_SPLIT_KEYS", 128, 8192, 128, cuda::kSplitKeys); }
 // JAX_VARLEN_FWD_PREFETCH=n, 0 <= n <= kFwdMaxPrefetchTiles, sets the Hopper forward's L2
-// prefetch distance (a benchmark knob; it moves no bit: prefetches change no value); unset or
-// anything else: kFwdPrefetchTiles.
+// prefetch distance (a benchmark knob; it moves no bit: prefetches change no value).
 inline int fwd_prefetch_setting() {
-  const char* v = std::getenv("JAX_VARLEN_FWD_PREFETCH");
-  if (v == nullptr) return cuda::kFwdPrefetchTiles;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  return end != v && *end == '\0' && n >= 0 && n <= cuda::kFwdMaxPrefetchTiles ? int(n) : cuda::kFwdPrefetchTiles;
+  return int(int_setting("JAX_VARLEN_FWD_PREFETCH", 0, cuda::kFwdMaxPrefetchTiles, 1, cuda::kFwdPrefetchTiles));
 }
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
