@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [prefetch] [sweep] [sinks] [ab] [ncu] [cmd]
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [prefetch] [plain] [sweep] [sinks] [ab] [ncu] [cmd]
 #   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
 # GPU-only files tests/test_gpu_*.py); bench = the forward on bench.py's FWD_SHAPES (issue 11's
@@ -10,7 +10,9 @@
 # and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; chunks = the decode
 # shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); prefetch = the
 # Hopper forward's L2 prefetch distances PREFETCHES ("0 2 4") on PREFETCH_SHAPES (mixed-serve,
-# docs-causal, d128-full; packed impls; PREFETCH_S 100 s); sweep = the
+# docs-causal, d128-full; packed impls; PREFETCH_S 100 s); plain = the lean kernels' plain-tile
+# loop off and on (JAX_VARLEN_FWD_PLAIN) on PLAIN_SHAPES (docs-causal, docs-causal-d64,
+# mixed-serve, d128-causal-skewed; PLAIN_S 100 s); sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
 # 120 s); ab = a base build against this one (AB_BASE, AB_SHAPES, AB_S 500 s; see the stage);
 # ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
@@ -64,6 +66,21 @@ echo "build: $(($(date +%s) - t0)) s"
 
 # limit STAGE_DEFAULT: the stage's time limit, cut to what is left of TOTAL_S (less 10 s to
 # copy results); prints nothing when under 30 s would be left.
+# knob NAME VAR "VALUES" SHAPES IMPLS FIRST_IMPLS: one bench.py forward process per value of
+# environment variable VAR (read per call by the plan), equal shares of the stage's limit $L, the
+# peers (FIRST_IMPLS) in the first process only; logs $OUT/NAME<value>.log.
+knob() {
+  local name=$1 var=$2 shapes=$4 impls=$5 first_impls=$6 first=1 a share
+  set -- $3
+  share=$((L / $#))
+  for a in "$@"; do
+    env "$var=$a" timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/$name$a" \
+      --tag "$name" --budget-s $((share - 15)) --no-plot --extra-dtype none \
+      --shapes "$shapes" --impls "$( ((first)) && echo "$first_impls" || echo "$impls")" >"$OUT/$name$a.log" 2>&1
+    echo "$name $a:"; grep -E "^  [a-z0-9-]+ +bf16" "$OUT/$name$a.log" | grep -v skipped | cut -c1-110
+    first=0
+  done
+}
 limit() {
   local left=$((TOTAL_S - ($(date +%s) - T0) - 10))
   ((left < 30)) && return 1
@@ -168,22 +185,16 @@ for stage in $STAGES; do
         --budget-s $((L - 30)) 2>&1 | tee "$OUT/decode_sweep.log" | tail -24 ;;
     prefetch) L=$(limit "${PREFETCH_S:-100}") || { echo "prefetch: skipped (time)"; continue; }
       # The Hopper forward's L2 prefetch distance (JAX_VARLEN_FWD_PREFETCH, plan.h: read per
-      # call) on PREFETCH_SHAPES: one bench.py process per distance in PREFETCHES, equal shares,
-      # the packed peers (FA3, dew3) in the first process only.
-      set -- ${PREFETCHES:-0 2 4}
-      share=$((L / $#)); first=1
-      for a in "$@"; do
-        impls=jax_varlen_packed; ((first)) && impls=jax_varlen_packed,fa3_packed,dew3_packed
-        JAX_VARLEN_FWD_PREFETCH=$a timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/prefetch$a" \
-          --tag prefetch --budget-s $((share - 15)) --no-plot --extra-dtype none \
-          --shapes "${PREFETCH_SHAPES:-mixed-serve,docs-causal,d128-full}" --impls "$impls" \
-          >"$OUT/prefetch$a.log" 2>&1
-        echo "prefetch $a:"; grep -E "^  [a-z0-9-]+ +bf16" "$OUT/prefetch$a.log" | grep -v skipped | cut -c1-110
-        first=0
-      done ;;
+      # call) on PREFETCH_SHAPES, each distance of PREFETCHES.
+      knob prefetch JAX_VARLEN_FWD_PREFETCH "${PREFETCHES:-0 2 4}" "${PREFETCH_SHAPES:-mixed-serve,docs-causal,d128-full}" \
+        jax_varlen_packed jax_varlen_packed,fa3_packed,dew3_packed ;;
+    plain) L=$(limit "${PLAIN_S:-100}") || { echo "plain: skipped (time)"; continue; }
+      # The lean kernels' loop of plain tiles (JAX_VARLEN_FWD_PLAIN, plan.h) off and on.
+      knob plain JAX_VARLEN_FWD_PLAIN "0 1" "${PLAIN_SHAPES:-docs-causal,docs-causal-d64,mixed-serve,d128-causal-skewed}" \
+        jax_varlen,jax_varlen_packed jax_varlen,jax_varlen_packed,fa3_packed,fa3 ;;
     cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
       R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
-    *) echo "unknown stage $stage (tests bench train decode chunks prefetch sweep sinks ab ncu cmd)"; continue ;;
+    *) echo "unknown stage $stage (tests bench train decode chunks prefetch plain sweep sinks ab ncu cmd)"; continue ;;
   esac
   echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done

@@ -100,6 +100,30 @@ def test_forward_prefetch_knob(monkeypatch):
     assert paged["fwd_path"] == "sm90_one_pass" and paged["fwd_prefetch_tiles"] == 0
 
 
+def test_forward_plain_tiles_knob(monkeypatch):
+    """JAX_VARLEN_FWD_PLAIN (a benchmark knob) turns the lean kernels' loop of plain tiles on (1)
+    or off (0); any other value keeps the default. Only calls on the lean kernels (d64, and d128
+    with a band) get it; it sizes no workspace."""
+    if not _ffi.extension().with_sm90:
+        monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
+        assert not plan(Sq=300, compute_major=9, is_causal=True)["fwd_plain_tiles"]
+        return
+    lean = dict(Sq=300, compute_major=9, is_causal=True)
+    default = plan(**lean)
+    assert default["lean_units"]
+    for value, want in (("1", True), ("0", False), ("2", None), ("", None), ("on", None)):
+        monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", value)
+        got = plan(**lean)
+        assert got["fwd_plain_tiles"] == (default["fwd_plain_tiles"] if want is None else want), value
+        assert workspaces(got) == workspaces(default), value
+    monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
+    assert plan(Sq=300, D=64, compute_major=9)["fwd_plain_tiles"]  # d64: lean at any band
+    assert not plan(Sq=300, compute_major=9)["fwd_plain_tiles"]  # d128 unmasked: 176-key tiles
+    assert not plan(Sq=300, D=256, compute_major=9, is_causal=True)["fwd_plain_tiles"]
+    assert not plan(Sq=300, compute_major=8, is_causal=True)["fwd_plain_tiles"]  # the sm80 kernels
+    assert not plan(Sq=4, compute_major=9, is_causal=True)["fwd_plain_tiles"]  # split-KV
+
+
 @pytest.mark.parametrize("case", ["float32", "odd-head-dim", "odd-value-head-dim"])
 def test_portable_calls_take_no_workspace(case):
     """Float32 and head sizes off the multiples of 8 run the portable kernels at any query

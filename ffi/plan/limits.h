@@ -67,6 +67,12 @@ constexpr bool fwd_sm90_lean_kernels(int bucket, int block_n) { return bucket <=
 // sets it per process, benchmarks/NOTES.md).
 constexpr int kFwdPrefetchTiles = 0;
 constexpr int kFwdMaxPrefetchTiles = 8;
+// Whether the lean kernels run the tiles that need no mask in a loop of their own without a
+// branch (the plan's fwd_plain_tiles; sm90/fwd_mma.h, FwdMma::mma): the same arithmetic, so
+// the same bits, with more of the softmax ahead of the wait on this warpgroup's P V in the SASS.
+// Off until a GPU measures it (JAX_VARLEN_FWD_PLAIN=1 turns it on per process,
+// benchmarks/NOTES.md). Only the lean kernels have the loop: the others would spill inside it.
+constexpr bool kFwdPlainTiles = false;
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of bwd_block_n(bucket) keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the

@@ -37,16 +37,20 @@ struct RowSoftmax {
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.0f;
   }
+  // Whether the max may be taken on raw scores (no softcap, positive scale).
+  __device__ __forceinline__ bool scaled_max() const { return !kSoftcap && z_scale > 0.0f; }
 
   // s [kNT * 4] raw scores of 8 * kNT keys -> unnormalized probabilities exp2(z - m). Elements i with
   // masked_out(i) get probability 0 when `masked` (uniform; only limit tiles). Returns in
   // alpha the factor the output rows must be multiplied by (0 while nothing was allowed yet).
-  template <int kNT, typename MaskedOut>
+  // kPlain: the caller knows that the tile needs no mask and that scaled_max() holds, so the
+  // step has no branch (see FwdMma::mma for why that matters).
+  template <int kNT, bool kPlain = false, typename MaskedOut>
   __device__ __forceinline__ void step(float* s, bool masked, MaskedOut masked_out, float (&alpha)[2]) {
     // With a positive scale and no softcap, the max is taken on raw scores and the scale rides in
     // the exp's FFMA (scaling by z_scale > 0 is monotonic, also after rounding).
     float factor = z_scale;
-    if (kSoftcap || !(z_scale > 0.0f)) {
+    if (!kPlain && !scaled_max()) {
       factor = 1.0f;
 #pragma unroll
       for (int i = 0; i < kNT * 4; ++i) {
@@ -55,7 +59,7 @@ struct RowSoftmax {
         s[i] = z;
       }
     }
-    if (masked) {
+    if (!kPlain && masked) {
 #pragma unroll
       for (int i = 0; i < kNT * 4; ++i)
         if (masked_out(i)) s[i] = -INFINITY;
@@ -196,10 +200,13 @@ struct FwdMma {
 
   // The mainloop of unit w (n_tiles > 0) on rows r: O unnormalized into tOrO (its old value
   // unused), the rows' max and partial sums into softmax. pipe: this thread's place in the K and
-  // V rings; q_iter: the Q tiles consumed so far.
+  // V rings; q_iter: the Q tiles consumed so far; plain_tiles: run the tiles that need no mask in
+  // a loop of their own (params.h, fwd_plain_tiles; the lean kernels without softcap alone
+  // have it).
   template <typename FragS, typename FragO, typename FragP>
   __device__ __forceinline__ void mma(const Unit& w, const FwdRows& r, PipelineState<kStages>& pipe, int& q_iter,
-                                      RowSoftmax<kSoftcap>& softmax, FragS& tSrS, FragO& tOrO, FragP& tOrP) {
+                                      RowSoftmax<kSoftcap>& softmax, FragS& tSrS, FragO& tOrO, FragP& tOrP,
+                                      bool plain_tiles) {
     // Element i of S is key n0 + its column, of row half (i / 2) % 2. Without softcap the rows'
     // bounds are moved once per tile by the thread's first column, so that each element
     // compares its column offset -- a constant of the fragment layout -- with them (bf16 d128:
@@ -280,10 +287,15 @@ struct FwdMma {
       rescale_rows<kDT * 4>(tOrO.data(), alpha);
       convert_p();
     }
-    for (; t > w.t_begin; --t) {
-      // S = Q K[t-1]^T and O += P V[t], issued back to back; the softmax of S runs under PV.
+    // One step of the overlapped loop: S = Q K[t-1]^T and O += P V[t], issued back to back; the
+    // softmax of S runs under this warpgroup's P V. plain: tile t - 1 needs no mask and the max
+    // is taken on raw scores -- a step without a branch, the same arithmetic as the other. With
+    // branches between the two waits ptxas places the second one (wait<0>) ahead of the whole
+    // softmax, which then waits for P V; without, about half of the row max moves ahead of it
+    // (benchmarks/NOTES.md, session 2026-12-06 i: sass_overlap.py).
+    auto overlapped = [&](int t, auto plain) {
       const int stage_v = pipe.stage, phase_v = pipe.phase;
-      if (t == w.n_tiles - 1 && last_rows < kBlockN && !half) {
+      if (!decltype(plain)::value && t == w.n_tiles - 1 && last_rows < kBlockN && !half) {
         Barrier::wait(&ss.full_v[stage_v], phase_v);
         zero_v_tail(stage_v, last_rows, kBlockN);
       }
@@ -297,11 +309,30 @@ struct FwdMma {
       warpgroup_wait<1>();
       release(&ss.empty_k[pipe.stage]);
       const int n0 = (t - 1) * kBlockN;
-      softmax.template step<kNT>(tSrS.data(), needs_mask(n0), masked_out_at(n0), alpha);
+      softmax.template step<kNT, decltype(plain)::value>(tSrS.data(), needs_mask(n0), masked_out_at(n0), alpha);
       warpgroup_wait<0>();
       release(&ss.empty_v[stage_v]);
       rescale_rows<kDT * 4>(tOrO.data(), alpha);
       convert_p();
+    };
+    if constexpr (Tr::kLeanKernels && !kSoftcap) {
+      // Tiles walk down: masked ones (the diagonal, a partial last tile), a run of plain ones,
+      // and masked ones again (a window's left edge). The first tile (t == n_tiles - 1) never
+      // runs plain: it may zero a V tail.
+      const bool plain = plain_tiles && softmax.scaled_max();
+      while (t > w.t_begin) {
+        if (plain && t < w.n_tiles - 1 && !needs_mask((t - 1) * kBlockN)) {
+          do {
+            overlapped(t, cute::true_type{});
+            --t;
+          } while (t > w.t_begin && !needs_mask((t - 1) * kBlockN));
+        } else {
+          overlapped(t, cute::false_type{});
+          --t;
+        }
+      }
+    } else {
+      for (; t > w.t_begin; --t) overlapped(t, cute::false_type{});
     }
     release(&ss.empty_q);  // the last Q K^T of this unit is done: the producer may load the next Q
     if (t == w.t_begin) {  // P V of the first tile

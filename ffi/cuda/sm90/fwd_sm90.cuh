@@ -269,18 +269,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
       if (u < 0) break;
       w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
     }
-    const FwdRows rows = mainloop.thread_rows(p, w);
-    const FwdUnitOut<Element> dst = epilogue.unit_out(w);
     if (w.n_tiles == 0) {
-      epilogue.store_zeros(w, dst);
+      epilogue.store_zeros(w, epilogue.unit_out(w));
       continue;
     }
+    const FwdRows rows = mainloop.thread_rows(p, w);
     RowSoftmax<kSoftcap> softmax(p.scale, p.softcap);
     Tensor tSrS = partition_fragment_C(mainloop.mma_qk, select<0, 1>(typename Tr::TileQK{}));
     Tensor tOrO = partition_fragment_C(typename Tr::TiledMmaPV{}, select<0, 1>(typename Tr::TilePV{}));
     Tensor tOrP = make_tensor_like<Element>(make_tensor(tSrS.data(), acc_to_a_layout(tSrS.layout())));
-    mainloop.mma(w, rows, pipe, q_iter, softmax, tSrS, tOrO, tOrP);
-    epilogue.store(w, rows, dst, softmax, tOrO);
+    mainloop.mma(w, rows, pipe, q_iter, softmax, tSrS, tOrO, tOrP, p.fwd_plain_tiles);
+    epilogue.store(w, rows, epilogue.unit_out(w), softmax, tOrO);  // addresses after the mainloop: fewer live registers there
   }
 }
 
