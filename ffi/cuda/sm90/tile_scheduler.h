@@ -73,7 +73,7 @@ struct UnitQueue {
     const int u = next[slot];
     read_more(slot, u);
     __syncwarp();
-    if (threadIdx.x % 32 == 0) Barrier::arrive(&empty[slot]);
+    arrive_if(&empty[slot], threadIdx.x % 32 == 0);
     return u;
   }
   __device__ __forceinline__ int read(int r) {
