@@ -71,7 +71,8 @@ constexpr int kFwdMaxPrefetchTiles = 8;
 // branch (the plan's fwd_plain_tiles; sm90/fwd_mma.h, FwdMma::mma): the same arithmetic, so
 // the same bits, with more of the softmax ahead of the wait on this warpgroup's P V in the SASS.
 // Off until a GPU measures it (JAX_VARLEN_FWD_PLAIN=1 turns it on per process,
-// benchmarks/NOTES.md). Only the lean kernels have the loop: the others would spill inside it.
+// benchmarks/NOTES.md). Only the lean kernels (unpaged, fwd_sm90_lean_kernels) have the loop:
+// the others would spill inside it.
 constexpr bool kFwdPlainTiles = false;
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of bwd_block_n(bucket) keys per CTA, steps of

@@ -36,10 +36,11 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 // Arrives on the mbarrier at bar when pred holds (a warp's leader for a barrier counted per
-// warp), as one predicated instruction: no branch. A branch around the arrive (`if (lane == 0)`)
-// is divergent control flow to ptxas, which then keeps more of the consumer's values in vector
-// registers and starts the forward's second wgmma wait ahead of the whole softmax
-// (benchmarks/NOTES.md, session 2026-12-06 i).
+// warp), as one predicated instruction: no branch. With `if (lane == 0) arrive` in the forward
+// consumers' unit read (tile_scheduler.h, UnitQueue::read), ptxas put the lean d64 kernel's
+// second wgmma wait ahead of its whole softmax; with this, the softmax's max runs under P V
+// (SASS, benchmarks/NOTES.md, session 2026-12-06 i). Not in FwdMma::release: there the
+// branch compiles to a predicated arrive already, and this form made the SASS worse.
 __device__ __forceinline__ void arrive_if(uint64_t* bar, bool pred) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(

@@ -200,10 +200,10 @@ struct FwdMma {
 
   // The mainloop of unit w (n_tiles > 0) on rows r: O unnormalized into tOrO (its old value
   // unused), the rows' max and partial sums into softmax. pipe: this thread's place in the K and
-  // V rings; q_iter: the Q tiles consumed so far; plain_tiles: run the tiles that need no mask in
-  // a loop of their own (params.h, fwd_plain_tiles; the lean kernels without softcap alone
-  // have it).
-  template <typename FragS, typename FragO, typename FragP>
+  // V rings; q_iter: the Q tiles consumed so far. kPlainLoop: the kernel has the loop of plain
+  // tiles (the lean kernels, fwd_sm90.cuh; only without softcap), which plain_tiles (params.h,
+  // fwd_plain_tiles) turns on.
+  template <bool kPlainLoop, typename FragS, typename FragO, typename FragP>
   __device__ __forceinline__ void mma(const Unit& w, const FwdRows& r, PipelineState<kStages>& pipe, int& q_iter,
                                       RowSoftmax<kSoftcap>& softmax, FragS& tSrS, FragO& tOrO, FragP& tOrP,
                                       bool plain_tiles) {
@@ -316,7 +316,7 @@ struct FwdMma {
       rescale_rows<kDT * 4>(tOrO.data(), alpha);
       convert_p();
     };
-    if constexpr (Tr::kLeanKernels && !kSoftcap) {
+    if constexpr (kPlainLoop && !kSoftcap) {
       // Tiles walk down: masked ones (the diagonal, a partial last tile), a run of plain ones,
       // and masked ones again (a window's left edge). The first tile (t == n_tiles - 1) never
       // runs plain: it may zero a V tail.
