@@ -147,19 +147,23 @@ def test_prefetch_changes_no_bit(monkeypatch, ahead):
     check_against_oracle(q, k, v, n, is_causal=True)
 
 
-@pytest.mark.parametrize("layout", ["packed-serving-step-d128", "padded-causal-d64", "packed-window-d128"])
+@pytest.mark.parametrize("layout", ["packed-serving-step-d128", "padded-causal-d64", "packed-window-d128",
+                                    "padded-full-d128"])
 def test_plain_tiles_change_no_bit(monkeypatch, layout):
-    """The lean kernels' loop of plain tiles (JAX_VARLEN_FWD_PLAIN, plan.h; fwd_mma.h): the launch
-    says it ran; out and lse bitwise those of the single loop (the same arithmetic without its
-    branches), on a packed serving step, a padded causal batch (diagonal tiles masked, those
-    below plain) and packed documents under a local window (masked tiles on both sides of the
-    plain run); the padded batch against the oracle too."""
+    """The Hopper forward's loop of plain tiles (JAX_VARLEN_FWD_PLAIN, plan.h; fwd_mma.h): the
+    launch says it ran; out and lse bitwise those of the single loop (the same arithmetic without
+    its branches), on a packed serving step, a padded causal batch (diagonal tiles masked, those
+    below plain), packed documents under a local window (masked tiles on both sides of the plain
+    run) and a padded batch without a mask (the 176-key tiles: a partial last tile masked, the
+    rest plain); the padded batches against the oracle too."""
     _hopper()
     if layout.startswith("packed-serving"):
         make, args = _packed_causal_step([1, 700, 3, 1, 60, 2, 129, 1] * 3, seed=43, max_history=3000)
     elif layout.startswith("padded"):
-        q, k, v, n = make_inputs(3, 700, 1900, 8, 2, 64, 64, jnp.bfloat16, [1900, 400, 133], seed=47)
-        make = lambda: jax.jit(lambda *a: jax_varlen.attention(*a, return_lse=True, is_causal=True))  # noqa: E731
+        causal = layout == "padded-causal-d64"
+        D = 64 if causal else 128
+        q, k, v, n = make_inputs(3, 700, 1900, 8, 2, D, D, jnp.bfloat16, [1900, 400, 133], seed=47)
+        make = lambda: jax.jit(lambda *a: jax_varlen.attention(*a, return_lse=True, is_causal=causal))  # noqa: E731
         args = (q, k, v, n)
     else:
         q, k, v, cu_q, cu_k = make_packed([1500, 77, 900], [1500, 77, 900], H=4, Hkv=2, D=128, Dv=128,
@@ -171,13 +175,14 @@ def test_plain_tiles_change_no_bit(monkeypatch, layout):
     monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "0")
     base = make()(*args)
     launch = jax_varlen._ffi.extension().last_launch()
-    assert launch["lean_units"] and not launch["fwd_plain_tiles"]
+    assert launch["dynamic_units"] and not launch["fwd_plain_tiles"]
+    assert launch["fwd_block_n"] == (176 if layout == "padded-full-d128" else 128)
     monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
     out, lse = make()(*args)
     assert jax_varlen._ffi.extension().last_launch()["fwd_plain_tiles"]
     assert bits(out) == bits(base[0]) and bits(lse) == bits(base[1])
     if layout.startswith("padded"):
-        check_against_oracle(q, k, v, n, is_causal=True)
+        check_against_oracle(q, k, v, n, is_causal=causal)
 
 
 def test_batch_past_the_sorted_limit():

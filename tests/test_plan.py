@@ -101,9 +101,9 @@ def test_forward_prefetch_knob(monkeypatch):
 
 
 def test_forward_plain_tiles_knob(monkeypatch):
-    """JAX_VARLEN_FWD_PLAIN (a benchmark knob) turns the lean kernels' loop of plain tiles on (1)
-    or off (0); any other value keeps the default. Only calls on the lean kernels (d64, and d128
-    with a band) get it; it sizes no workspace."""
+    """JAX_VARLEN_FWD_PLAIN (a benchmark knob) turns the Hopper forward's loop of plain tiles on (1)
+    or off (0); any other value keeps the default. Only unpaged one-pass calls at head dim 64 and
+    128 get it (every key tile width there); it sizes no workspace."""
     if not _ffi.extension().with_sm90:
         monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
         assert not plan(Sq=300, compute_major=9, is_causal=True)["fwd_plain_tiles"]
@@ -118,7 +118,9 @@ def test_forward_plain_tiles_knob(monkeypatch):
         assert workspaces(got) == workspaces(default), value
     monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
     assert plan(Sq=300, D=64, compute_major=9)["fwd_plain_tiles"]  # d64: lean at any band
-    assert not plan(Sq=300, compute_major=9)["fwd_plain_tiles"]  # d128 unmasked: 176-key tiles
+    unmasked = plan(Sq=300, compute_major=9)  # d128 unmasked: 176-key tiles, not lean
+    assert unmasked["fwd_plain_tiles"] and unmasked["fwd_block_n"] == 176 and not unmasked["lean_units"]
+    assert not plan(Sq=300, compute_major=9, page_size=16)["fwd_plain_tiles"]  # paged: gathered tiles
     assert not plan(Sq=300, D=256, compute_major=9, is_causal=True)["fwd_plain_tiles"]
     assert not plan(Sq=300, compute_major=8, is_causal=True)["fwd_plain_tiles"]  # the sm80 kernels
     assert not plan(Sq=4, compute_major=9, is_causal=True)["fwd_plain_tiles"]  # split-KV

@@ -114,7 +114,8 @@ struct AttentionParams {
   // The Hopper forward producer's L2 prefetch distance in key tiles (the plan sets it:
   // limits.h, kFwdPrefetchTiles; 0 = none).
   int fwd_prefetch_tiles = 0;
-  // The lean kernels' loop of plain tiles (the plan sets it: limits.h, kFwdPlainTiles).
+  // The unpaged Hopper kernels' loop of plain tiles (the plan sets it: limits.h, kFwdPlainTiles;
+  // the softcap kernels have none).
   bool fwd_plain_tiles = false;
 
   float scale;    // multiplies <q, k>

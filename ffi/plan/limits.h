@@ -67,13 +67,15 @@ constexpr bool fwd_sm90_lean_kernels(int bucket, int block_n) { return bucket <=
 // sets it per process, benchmarks/NOTES.md).
 constexpr int kFwdPrefetchTiles = 0;
 constexpr int kFwdMaxPrefetchTiles = 8;
-// Whether the lean kernels run the tiles that need no mask in a loop of their own without a
+// Whether the unpaged kernels run the tiles that need no mask in a loop of their own without a
 // branch (the plan's fwd_plain_tiles; sm90/fwd_mma.h, FwdMma::mma): the same arithmetic, so
 // the same bits, with more of the softmax ahead of the wait on this warpgroup's P V in the SASS.
 // Off until a GPU measures it (JAX_VARLEN_FWD_PLAIN=1 turns it on per process,
-// benchmarks/NOTES.md). Only the lean kernels (unpaged, fwd_sm90_lean_kernels) have the loop:
-// the others would spill inside it.
+// benchmarks/NOTES.md). The loop is compiled into the unpaged kernels of buckets up to 128 (d64
+// and d128 at 128 keys: the lean ones; d128 at 176 keys: its only spills are in the code that
+// zeroes a partial tile's V rows, once per unit); at bucket 256 it would spill inside the loop.
 constexpr bool kFwdPlainTiles = false;
+constexpr bool fwd_sm90_plain_kernels(int bucket) { return bucket <= 128; }
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of bwd_block_n(bucket) keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the

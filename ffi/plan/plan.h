@@ -82,8 +82,8 @@ struct Plan {
   // The Hopper forward's L2 prefetch distance in key tiles (limits.h, kFwdPrefetchTiles; 0 =
   // none): unpaged calls only (a paged call's tiles are gathered by cp.async, page by page).
   int fwd_prefetch_tiles = 0;
-  // Plain tiles (limits.h, kFwdPlainTiles): the lean kernels run the tiles that need no mask
-  // in a loop without a branch; only with lean_units.
+  // Plain tiles (limits.h, kFwdPlainTiles): the unpaged kernels of fwd_sm90_plain_kernels run
+  // the tiles that need no mask in a loop without a branch; only with dynamic_units.
   bool fwd_plain_tiles = false;
   // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
   // workspace, float32 elements per pack (tiles and counters, layout: plan/limits.h); all 0
@@ -109,7 +109,7 @@ inline bool switch_is(const char* name, char value) {
 }
 inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
 inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
-// JAX_VARLEN_FWD_PLAIN=1 / 0 turns the lean kernels' plain-tile loop on / off (a benchmark
+// JAX_VARLEN_FWD_PLAIN=1 / 0 turns the Hopper forward's plain-tile loop on / off (a benchmark
 // knob: it moves no bit); unset or anything else: limits.h's kFwdPlainTiles.
 inline bool fwd_plain_enabled() {
   return switch_is("JAX_VARLEN_FWD_PLAIN", '1') || (cuda::kFwdPlainTiles && !switch_is("JAX_VARLEN_FWD_PLAIN", '0'));
@@ -202,7 +202,7 @@ inline Plan make_plan(const PlanInputs& in) {
     plan.fwd_block_n = c::fwd_sm90_block_n(bucket, banded && in.page_size == 0);
     plan.lean_units = plan.dynamic_units && c::fwd_sm90_lean_kernels(bucket, plan.fwd_block_n);
     plan.fwd_prefetch_tiles = in.page_size == 0 ? fwd_prefetch_setting() : 0;
-    plan.fwd_plain_tiles = plan.lean_units && fwd_plain_enabled();
+    plan.fwd_plain_tiles = plan.dynamic_units && c::fwd_sm90_plain_kernels(bucket) && fwd_plain_enabled();
   }
 
   // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim (and the wide one's,

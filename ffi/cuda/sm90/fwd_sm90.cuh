@@ -59,6 +59,8 @@ struct FwdTraits {
   // Whether lean kernels (idle warpgroups, unit hand-over) exist for these traits: plan/limits.h
   // decides, for the plan too (the others would spill inside the mainloop, benchmarks/NOTES.md).
   static constexpr bool kLeanKernels = ::jax_varlen::cuda::fwd_sm90_lean_kernels(kHeadDim, kBlockN);
+  // Whether the unpaged kernels have the loop of plain tiles (FwdMma::mma; limits.h).
+  static constexpr bool kPlainKernels = ::jax_varlen::cuda::fwd_sm90_plain_kernels(kHeadDim);
   // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
   // memory); larger ones keep their own order and read lengths from global memory.
   static constexpr int kMaxSortedBatch = 384;
@@ -278,7 +280,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     Tensor tSrS = partition_fragment_C(mainloop.mma_qk, select<0, 1>(typename Tr::TileQK{}));
     Tensor tOrO = partition_fragment_C(typename Tr::TiledMmaPV{}, select<0, 1>(typename Tr::TilePV{}));
     Tensor tOrP = make_tensor_like<Element>(make_tensor(tSrS.data(), acc_to_a_layout(tSrS.layout())));
-    mainloop.template mma<kLean>(w, rows, pipe, q_iter, softmax, tSrS, tOrO, tOrP, p.fwd_plain_tiles);
+    mainloop.template mma<kDynamic && Tr::kPlainKernels>(w, rows, pipe, q_iter, softmax, tSrS, tOrO, tOrP, p.fwd_plain_tiles);
     epilogue.store(w, rows, epilogue.unit_out(w), softmax, tOrO);  // addresses after the mainloop: fewer live registers there
   }
 }
