@@ -10,9 +10,9 @@
 # and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; chunks = the decode
 # shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); prefetch = the
 # Hopper forward's L2 prefetch distances PREFETCHES ("0 2 4") on PREFETCH_SHAPES (mixed-serve,
-# docs-causal, d128-full; packed impls; PREFETCH_S 100 s); plain = the lean kernels' plain-tile
+# docs-causal, d128-full; packed impls; PREFETCH_S 100 s); plain = the Hopper forward's plain-tile
 # loop off and on (JAX_VARLEN_FWD_PLAIN) on PLAIN_SHAPES (docs-causal, docs-causal-d64,
-# mixed-serve, d128-causal-skewed; PLAIN_S 100 s); sweep = the
+# mixed-serve, d128-causal-skewed, d128-full, d128-skewed; PLAIN_S 100 s); sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
 # 120 s); ab = a base build against this one (AB_BASE, AB_SHAPES, AB_S 500 s; see the stage);
 # ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
@@ -189,9 +189,9 @@ for stage in $STAGES; do
       knob prefetch JAX_VARLEN_FWD_PREFETCH "${PREFETCHES:-0 2 4}" "${PREFETCH_SHAPES:-mixed-serve,docs-causal,d128-full}" \
         jax_varlen_packed jax_varlen_packed,fa3_packed,dew3_packed ;;
     plain) L=$(limit "${PLAIN_S:-100}") || { echo "plain: skipped (time)"; continue; }
-      # The lean kernels' loop of plain tiles (JAX_VARLEN_FWD_PLAIN, plan.h) off and on.
-      knob plain JAX_VARLEN_FWD_PLAIN "0 1" "${PLAIN_SHAPES:-docs-causal,docs-causal-d64,mixed-serve,d128-causal-skewed}" \
-        jax_varlen,jax_varlen_packed jax_varlen,jax_varlen_packed,fa3_packed,fa3 ;;
+      # The Hopper forward's loop of plain tiles (JAX_VARLEN_FWD_PLAIN, plan.h) off and on.
+      knob plain JAX_VARLEN_FWD_PLAIN "0 1" "${PLAIN_SHAPES:-docs-causal,docs-causal-d64,mixed-serve,d128-causal-skewed,d128-full,d128-skewed}" \
+        jax_varlen,jax_varlen_packed jax_varlen,jax_varlen_packed,fa3_packed,fa3,dew3 ;;
     cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
       R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
     *) echo "unknown stage $stage (tests bench train decode chunks prefetch plain sweep sinks ab ncu cmd)"; continue ;;
