@@ -185,6 +185,41 @@ def test_plain_tiles_change_no_bit(monkeypatch, layout):
         check_against_oracle(q, k, v, n, is_causal=causal)
 
 
+@pytest.mark.parametrize("layout", ["packed-serving-step", "padded-causal", "packed-window"])
+def test_wide_consumers_change_no_bit(monkeypatch, layout):
+    """The lean d128 kernel's 240-register consumers (JAX_VARLEN_FWD_WIDE, plan.h; fwd_sm90.cuh):
+    the launch says they ran; out and lse bitwise those of the 232-register kernel (the same
+    code, another register split), with the plain-tile loop on in both; a softcap call keeps
+    its one kernel; the padded batch against the oracle too."""
+    _hopper()
+    monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
+    if layout == "packed-serving-step":
+        make, args = _packed_causal_step([1, 700, 3, 1, 60, 2, 129, 1] * 3, seed=53, max_history=3000)
+    elif layout == "padded-causal":
+        q, k, v, n = make_inputs(3, 700, 1900, 8, 2, 128, 128, jnp.bfloat16, [1900, 400, 133], seed=59)
+        make = lambda: jax.jit(lambda *a: jax_varlen.attention(*a, return_lse=True, is_causal=True))  # noqa: E731
+        args = (q, k, v, n)
+    else:
+        q, k, v, cu_q, cu_k = make_packed([1500, 77, 900], [1500, 77, 900], H=4, Hkv=2, D=128, Dv=128,
+                                          dtype=jnp.bfloat16)
+        make = lambda: jax.jit(lambda *a: jax_varlen.packed_attention(  # noqa: E731
+            *a, max_seqlen_q=1500, max_seqlen_k=1500, is_causal=True, local_window_size=(600, 0),
+            return_lse=True))
+        args = (q, k, v, cu_q, cu_k)
+    monkeypatch.setenv("JAX_VARLEN_FWD_WIDE", "0")
+    base = make()(*args)
+    launch = jax_varlen._ffi.extension().last_launch()
+    assert launch["lean_units"] and launch["fwd_block_n"] == 128 and not launch["fwd_wide_consumers"]
+    monkeypatch.setenv("JAX_VARLEN_FWD_WIDE", "1")
+    out, lse = make()(*args)
+    assert jax_varlen._ffi.extension().last_launch()["fwd_wide_consumers"]
+    assert bits(out) == bits(base[0]) and bits(lse) == bits(base[1])
+    if layout == "padded-causal":
+        check_against_oracle(q, k, v, n, is_causal=True)
+        jax.block_until_ready(jax_varlen.attention(q, k, v, n, is_causal=True, softcap=20.0))
+        assert not jax_varlen._ffi.extension().last_launch()["fwd_wide_consumers"]
+
+
 def test_batch_past_the_sorted_limit():
     """More sequences than the kernel sorts in shared memory: they keep their own order."""
     _hopper()

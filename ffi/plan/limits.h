@@ -76,6 +76,14 @@ constexpr int kFwdMaxPrefetchTiles = 8;
 // zeroes a partial tile's V rows, once per unit); at bucket 256 it would spill inside the loop.
 constexpr bool kFwdPlainTiles = false;
 constexpr bool fwd_sm90_plain_kernels(int bucket) { return bucket <= 128; }
+// Whether the lean d128 kernel at 128 keys gives its consumers 240 registers and the producer
+// warpgroup 24 (the plan's fwd_wide_consumers; as FA3 does at d128) instead of 232 and 40. With
+// 240, ptxas keeps the whole row max and some exponents of a plain tile under the warpgroup's
+// own P V (at 232, half the max), and the producer, which decodes the lean units, spills
+// outside its tile loop (SASS, benchmarks/NOTES.md). Off until a GPU measures it
+// (JAX_VARLEN_FWD_WIDE=1 turns it on per process); a second kernel, without softcap only.
+constexpr bool kFwdWideConsumers = false;
+constexpr bool fwd_sm90_wide_kernels(int bucket, int block_n) { return bucket == 128 && block_n == 128; }
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of bwd_block_n(bucket) keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the
