@@ -120,7 +120,9 @@ def test_forward_plain_tiles_knob(monkeypatch):
     assert plan(Sq=300, D=64, compute_major=9)["fwd_plain_tiles"]  # d64: lean at any band
     unmasked = plan(Sq=300, compute_major=9)  # d128 unmasked: 176-key tiles, not lean
     assert unmasked["fwd_plain_tiles"] and unmasked["fwd_block_n"] == 176 and not unmasked["lean_units"]
-    assert not plan(Sq=300, compute_major=9, page_size=16)["fwd_plain_tiles"]  # paged: gathered tiles
+    monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
+    paged = plan(Sq=300, compute_major=9, page_size=64)  # gathered tiles, the single loop
+    assert paged["fwd_path"] == "sm90_one_pass" and not paged["fwd_plain_tiles"]
     assert not plan(Sq=300, D=256, compute_major=9, is_causal=True)["fwd_plain_tiles"]
     assert not plan(Sq=300, compute_major=8, is_causal=True)["fwd_plain_tiles"]  # the sm80 kernels
     assert not plan(Sq=4, compute_major=9, is_causal=True)["fwd_plain_tiles"]  # split-KV
@@ -145,7 +147,9 @@ def test_forward_wide_consumers_knob(monkeypatch):
     monkeypatch.setenv("JAX_VARLEN_FWD_WIDE", "1")
     assert not plan(Sq=300, D=64, compute_major=9, is_causal=True)["fwd_wide_consumers"]  # d64: 232 fits
     assert not plan(Sq=300, compute_major=9)["fwd_wide_consumers"]  # d128 unmasked: 176 keys, 240 already
-    assert not plan(Sq=300, compute_major=9, is_causal=True, page_size=64)["fwd_wide_consumers"]  # paged
+    monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
+    paged = plan(Sq=300, compute_major=9, is_causal=True, page_size=64)
+    assert paged["fwd_path"] == "sm90_one_pass" and not paged["fwd_wide_consumers"]
     assert not plan(Sq=300, compute_major=8, is_causal=True)["fwd_wide_consumers"]  # the sm80 kernels
 
 
