@@ -147,24 +147,22 @@ def test_prefetch_changes_no_bit(monkeypatch, ahead):
     check_against_oracle(q, k, v, n, is_causal=True)
 
 
-@pytest.mark.parametrize("layout", ["packed-serving-step-d128", "padded-causal-d64", "packed-window-d128",
-                                    "padded-full-d128"])
-def test_plain_tiles_change_no_bit(monkeypatch, layout):
-    """The Hopper forward's loop of plain tiles (JAX_VARLEN_FWD_PLAIN, plan.h; fwd_mma.h): the
-    launch says it ran; out and lse bitwise those of the single loop (the same arithmetic without
-    its branches), on a packed serving step, a padded causal batch (diagonal tiles masked, those
-    below plain), packed documents under a local window (masked tiles on both sides of the plain
-    run) and a padded batch without a mask (the 176-key tiles: a partial last tile masked, the
-    rest plain); the padded batches against the oracle too."""
-    _hopper()
-    if layout.startswith("packed-serving"):
-        make, args = _packed_causal_step([1, 700, 3, 1, 60, 2, 129, 1] * 3, seed=43, max_history=3000)
+def _switch_case(layout, seed):
+    """(make, args, oracle) of one layout of the bitwise switch tests below: make() builds the
+    jitted call returning (out, lse); oracle() checks a padded layout against the reference.
+    Layouts: packed-serving-step-d128 (a packed causal serving step), padded-causal-d64 and
+    padded-causal-d128 (diagonal tiles masked, those below plain), padded-full-d128 (no mask:
+    176-key tiles, a partial last tile), packed-window-d128 (documents under a local window:
+    masked tiles on both sides of the plain run)."""
+    oracle = lambda: None  # noqa: E731
+    if layout == "packed-serving-step-d128":
+        make, args = _packed_causal_step([1, 700, 3, 1, 60, 2, 129, 1] * 3, seed=seed, max_history=3000)
     elif layout.startswith("padded"):
-        causal = layout == "padded-causal-d64"
-        D = 64 if causal else 128
-        q, k, v, n = make_inputs(3, 700, 1900, 8, 2, D, D, jnp.bfloat16, [1900, 400, 133], seed=47)
+        causal, D = layout != "padded-full-d128", int(layout.rsplit("-d", 1)[1])
+        q, k, v, n = make_inputs(3, 700, 1900, 8, 2, D, D, jnp.bfloat16, [1900, 400, 133], seed=seed)
         make = lambda: jax.jit(lambda *a: jax_varlen.attention(*a, return_lse=True, is_causal=causal))  # noqa: E731
         args = (q, k, v, n)
+        oracle = lambda: check_against_oracle(q, k, v, n, is_causal=causal)  # noqa: E731
     else:
         q, k, v, cu_q, cu_k = make_packed([1500, 77, 900], [1500, 77, 900], H=4, Hkv=2, D=128, Dv=128,
                                           dtype=jnp.bfloat16)
@@ -172,6 +170,18 @@ def test_plain_tiles_change_no_bit(monkeypatch, layout):
             *a, max_seqlen_q=1500, max_seqlen_k=1500, is_causal=True, local_window_size=(600, 0),
             return_lse=True))
         args = (q, k, v, cu_q, cu_k)
+    return make, args, oracle
+
+
+@pytest.mark.parametrize("layout", ["packed-serving-step-d128", "padded-causal-d64", "packed-window-d128",
+                                    "padded-full-d128"])
+def test_plain_tiles_change_no_bit(monkeypatch, layout):
+    """The Hopper forward's loop of plain tiles (JAX_VARLEN_FWD_PLAIN, plan.h; fwd_mma.h): the
+    launch says it ran; out and lse bitwise those of the single loop (the same arithmetic without
+    its branches), on the layouts of _switch_case (the 176-key kernel on padded-full-d128, the
+    lean ones on the others); the padded batches against the oracle too."""
+    _hopper()
+    make, args, oracle = _switch_case(layout, seed=47)
     monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "0")
     base = make()(*args)
     launch = jax_varlen._ffi.extension().last_launch()
@@ -181,11 +191,10 @@ def test_plain_tiles_change_no_bit(monkeypatch, layout):
     out, lse = make()(*args)
     assert jax_varlen._ffi.extension().last_launch()["fwd_plain_tiles"]
     assert bits(out) == bits(base[0]) and bits(lse) == bits(base[1])
-    if layout.startswith("padded"):
-        check_against_oracle(q, k, v, n, is_causal=causal)
+    oracle()
 
 
-@pytest.mark.parametrize("layout", ["packed-serving-step", "padded-causal", "packed-window"])
+@pytest.mark.parametrize("layout", ["packed-serving-step-d128", "padded-causal-d128", "packed-window-d128"])
 def test_wide_consumers_change_no_bit(monkeypatch, layout):
     """The lean d128 kernel's 240-register consumers (JAX_VARLEN_FWD_WIDE, plan.h; fwd_sm90.cuh):
     the launch says they ran; out and lse bitwise those of the 232-register kernel (the same
@@ -193,19 +202,7 @@ def test_wide_consumers_change_no_bit(monkeypatch, layout):
     its one kernel; the padded batch against the oracle too."""
     _hopper()
     monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
-    if layout == "packed-serving-step":
-        make, args = _packed_causal_step([1, 700, 3, 1, 60, 2, 129, 1] * 3, seed=53, max_history=3000)
-    elif layout == "padded-causal":
-        q, k, v, n = make_inputs(3, 700, 1900, 8, 2, 128, 128, jnp.bfloat16, [1900, 400, 133], seed=59)
-        make = lambda: jax.jit(lambda *a: jax_varlen.attention(*a, return_lse=True, is_causal=True))  # noqa: E731
-        args = (q, k, v, n)
-    else:
-        q, k, v, cu_q, cu_k = make_packed([1500, 77, 900], [1500, 77, 900], H=4, Hkv=2, D=128, Dv=128,
-                                          dtype=jnp.bfloat16)
-        make = lambda: jax.jit(lambda *a: jax_varlen.packed_attention(  # noqa: E731
-            *a, max_seqlen_q=1500, max_seqlen_k=1500, is_causal=True, local_window_size=(600, 0),
-            return_lse=True))
-        args = (q, k, v, cu_q, cu_k)
+    make, args, oracle = _switch_case(layout, seed=53)
     monkeypatch.setenv("JAX_VARLEN_FWD_WIDE", "0")
     base = make()(*args)
     launch = jax_varlen._ffi.extension().last_launch()
@@ -214,8 +211,9 @@ def test_wide_consumers_change_no_bit(monkeypatch, layout):
     out, lse = make()(*args)
     assert jax_varlen._ffi.extension().last_launch()["fwd_wide_consumers"]
     assert bits(out) == bits(base[0]) and bits(lse) == bits(base[1])
-    if layout == "padded-causal":
-        check_against_oracle(q, k, v, n, is_causal=True)
+    oracle()
+    if layout.startswith("padded"):
+        q, k, v, n = args
         jax.block_until_ready(jax_varlen.attention(q, k, v, n, is_causal=True, softcap=20.0))
         assert not jax_varlen._ffi.extension().last_launch()["fwd_wide_consumers"]
 
