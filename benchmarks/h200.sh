@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [prefetch] [plain] [wide] [sweep] [sinks] [ab] [ncu] [cmd]
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [prefetch] [plain] [sweep] [sinks] [ab] [ncu] [cmd]
 #   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
 # GPU-only files tests/test_gpu_*.py); bench = the forward on bench.py's FWD_SHAPES (issue 11's
@@ -12,10 +12,7 @@
 # Hopper forward's L2 prefetch distances PREFETCHES ("0 2 4") on PREFETCH_SHAPES (mixed-serve,
 # docs-causal, d128-full; packed impls; PREFETCH_S 100 s); plain = the Hopper forward's plain-tile
 # loop off and on (JAX_VARLEN_FWD_PLAIN) on PLAIN_SHAPES (docs-causal, docs-causal-d64,
-# mixed-serve, d128-causal-skewed, d128-full, d128-skewed; PLAIN_S 100 s); wide = the lean d128
-# kernel's 240-register consumers (JAX_VARLEN_FWD_WIDE=1, plain tiles on) on WIDE_SHAPES
-# (docs-causal, d128-causal-skewed, mixed-serve; WIDE_S 60 s): run it after plain, whose
-# second process (plain tiles on, 232 registers) is its base; sweep = the
+# mixed-serve, d128-causal-skewed, d128-full, d128-skewed; PLAIN_S 100 s); sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
 # 120 s); ab = a base build against this one (AB_BASE, AB_SHAPES, AB_S 500 s; see the stage);
 # ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
@@ -195,13 +192,9 @@ for stage in $STAGES; do
       # The Hopper forward's loop of plain tiles (JAX_VARLEN_FWD_PLAIN, plan.h) off and on.
       knob plain JAX_VARLEN_FWD_PLAIN "0 1" "${PLAIN_SHAPES:-docs-causal,docs-causal-d64,mixed-serve,d128-causal-skewed,d128-full,d128-skewed}" \
         jax_varlen,jax_varlen_packed jax_varlen,jax_varlen_packed,fa3_packed,fa3,dew3 ;;
-    wide) L=$(limit "${WIDE_S:-60}") || { echo "wide: skipped (time)"; continue; }
-      # The lean d128 kernel's register split (JAX_VARLEN_FWD_WIDE, plan.h) with plain tiles on.
-      JAX_VARLEN_FWD_PLAIN=1 knob wide JAX_VARLEN_FWD_WIDE "1" "${WIDE_SHAPES:-docs-causal,d128-causal-skewed,mixed-serve}" \
-        jax_varlen,jax_varlen_packed jax_varlen,jax_varlen_packed ;;
     cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
       R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
-    *) echo "unknown stage $stage (tests bench train decode chunks prefetch plain wide sweep sinks ab ncu cmd)"; continue ;;
+    *) echo "unknown stage $stage (tests bench train decode chunks prefetch plain sweep sinks ab ncu cmd)"; continue ;;
   esac
   echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done

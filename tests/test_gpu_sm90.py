@@ -150,8 +150,8 @@ def test_prefetch_changes_no_bit(monkeypatch, ahead):
 def _switch_case(layout, seed):
     """(make, args, oracle) of one layout of the bitwise switch tests below: make() builds the
     jitted call returning (out, lse); oracle() checks a padded layout against the reference.
-    Layouts: packed-serving-step-d128 (a packed causal serving step), padded-causal-d64 and
-    padded-causal-d128 (diagonal tiles masked, those below plain), padded-full-d128 (no mask:
+    Layouts: packed-serving-step-d128 (a packed causal serving step), padded-causal-d64
+    (diagonal tiles masked, those below plain), padded-full-d128 (no mask:
     176-key tiles, a partial last tile), packed-window-d128 (documents under a local window:
     masked tiles on both sides of the plain run)."""
     oracle = lambda: None  # noqa: E731
@@ -192,30 +192,6 @@ def test_plain_tiles_change_no_bit(monkeypatch, layout):
     assert jax_varlen._ffi.extension().last_launch()["fwd_plain_tiles"]
     assert bits(out) == bits(base[0]) and bits(lse) == bits(base[1])
     oracle()
-
-
-@pytest.mark.parametrize("layout", ["packed-serving-step-d128", "padded-causal-d128", "packed-window-d128"])
-def test_wide_consumers_change_no_bit(monkeypatch, layout):
-    """The lean d128 kernel's 240-register consumers (JAX_VARLEN_FWD_WIDE, plan.h; fwd_sm90.cuh):
-    the launch says they ran; out and lse bitwise those of the 232-register kernel (the same
-    code, another register split), with the plain-tile loop on in both; a softcap call keeps
-    its one kernel; the padded batch against the oracle too."""
-    _hopper()
-    monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
-    make, args, oracle = _switch_case(layout, seed=53)
-    monkeypatch.setenv("JAX_VARLEN_FWD_WIDE", "0")
-    base = make()(*args)
-    launch = jax_varlen._ffi.extension().last_launch()
-    assert launch["lean_units"] and launch["fwd_block_n"] == 128 and not launch["fwd_wide_consumers"]
-    monkeypatch.setenv("JAX_VARLEN_FWD_WIDE", "1")
-    out, lse = make()(*args)
-    assert jax_varlen._ffi.extension().last_launch()["fwd_wide_consumers"]
-    assert bits(out) == bits(base[0]) and bits(lse) == bits(base[1])
-    oracle()
-    if layout.startswith("padded"):
-        q, k, v, n = args
-        jax.block_until_ready(jax_varlen.attention(q, k, v, n, is_causal=True, softcap=20.0))
-        assert not jax_varlen._ffi.extension().last_launch()["fwd_wide_consumers"]
 
 
 def test_batch_past_the_sorted_limit():

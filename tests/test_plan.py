@@ -135,25 +135,6 @@ def test_forward_plain_tiles_knob(monkeypatch):
     assert not plan(Sq=4, compute_major=9, is_causal=True)["fwd_plain_tiles"]  # split-KV
 
 
-def test_forward_wide_consumers_knob(monkeypatch):
-    """JAX_VARLEN_FWD_WIDE (a benchmark knob) gives the lean d128 kernel at 128 keys 240-register
-    consumers (1) or not (0). Only that kernel's calls get it (d128 with a band, unpaged)."""
-    lean = dict(Sq=300, compute_major=9, is_causal=True)
-    if not _ffi.extension().with_sm90:
-        monkeypatch.setenv("JAX_VARLEN_FWD_WIDE", "1")
-        assert not plan(**lean)["fwd_wide_consumers"]
-        return
-    default = plan(**lean)
-    assert default["lean_units"] and default["fwd_block_n"] == 128
-    _check_on_off_switch(monkeypatch, "JAX_VARLEN_FWD_WIDE", "fwd_wide_consumers", lean)
-    assert not plan(Sq=300, D=64, compute_major=9, is_causal=True)["fwd_wide_consumers"]  # d64: 232 fits
-    assert not plan(Sq=300, compute_major=9)["fwd_wide_consumers"]  # d128 unmasked: 176 keys, 240 already
-    monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
-    paged = plan(Sq=300, compute_major=9, is_causal=True, page_size=64)
-    assert paged["fwd_path"] == "sm90_one_pass" and not paged["fwd_wide_consumers"]
-    assert not plan(Sq=300, compute_major=8, is_causal=True)["fwd_wide_consumers"]  # the sm80 kernels
-
-
 @pytest.mark.parametrize("case", ["float32", "odd-head-dim", "odd-value-head-dim"])
 def test_portable_calls_take_no_workspace(case):
     """Float32 and head sizes off the multiples of 8 run the portable kernels at any query

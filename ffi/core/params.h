@@ -117,9 +117,6 @@ struct AttentionParams {
   // The unpaged Hopper kernels' loop of plain tiles (the plan sets it: limits.h, kFwdPlainTiles;
   // the softcap kernels have none).
   bool fwd_plain_tiles = false;
-  // The lean d128 kernel's 240-register consumers (the plan sets it: limits.h, kFwdWideConsumers;
-  // calls without softcap).
-  bool fwd_wide_consumers = false;
 
   float scale;    // multiplies <q, k>
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)

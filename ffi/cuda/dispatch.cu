@@ -133,7 +133,7 @@ std::atomic<bool> last_paged{false}, last_pack_gqa{false}, last_dynamic_units{fa
 std::atomic<int> last_fwd_block_n{0};
 std::atomic<bool> last_lean_units{false};
 std::atomic<int> last_fwd_prefetch_tiles{0};
-std::atomic<bool> last_fwd_plain_tiles{false}, last_fwd_wide_consumers{false};
+std::atomic<bool> last_fwd_plain_tiles{false};
 }  // namespace
 
 LaunchRecord last_launch() {
@@ -148,7 +148,6 @@ LaunchRecord last_launch() {
   r.lean_units = last_lean_units.load(std::memory_order_relaxed);
   r.fwd_prefetch_tiles = last_fwd_prefetch_tiles.load(std::memory_order_relaxed);
   r.fwd_plain_tiles = last_fwd_plain_tiles.load(std::memory_order_relaxed);
-  r.fwd_wide_consumers = last_fwd_wide_consumers.load(std::memory_order_relaxed);
   return r;
 }
 
@@ -183,8 +182,6 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   last_lean_units.store(path == FwdPath::kSm90OnePass && p.lean_units, std::memory_order_relaxed);
   last_fwd_prefetch_tiles.store(path == FwdPath::kSm90OnePass ? p.fwd_prefetch_tiles : 0, std::memory_order_relaxed);
   last_fwd_plain_tiles.store(path == FwdPath::kSm90OnePass && p.fwd_plain_tiles, std::memory_order_relaxed);
-  last_fwd_wide_consumers.store(path == FwdPath::kSm90OnePass && p.fwd_wide_consumers && !(p.softcap > 0.0f),
-                                std::memory_order_relaxed);
   // The packed layout's unowned query rows (portable/packed_fill.cuh): the Hopper forward's
   // idle producer warps zero them while it computes (not when all four gather pages); any
   // other call runs the fill kernel first.

@@ -20,7 +20,6 @@ struct LaunchRecord {
   bool lean_units = false;  // the Hopper forward ran its lean kernel (Plan::lean_units)
   int fwd_prefetch_tiles = 0;  // the Hopper forward's L2 prefetch distance (Plan::fwd_prefetch_tiles)
   bool fwd_plain_tiles = false;  // the Hopper forward's kernel had its plain-tile loop on (Plan::fwd_plain_tiles)
-  bool fwd_wide_consumers = false;  // the Hopper forward's lean d128 kernel ran with 240-register consumers
 };
 LaunchRecord last_launch();
 

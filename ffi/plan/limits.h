@@ -70,20 +70,13 @@ constexpr int kFwdMaxPrefetchTiles = 8;
 // Whether the unpaged kernels run the tiles that need no mask in a loop of their own without a
 // branch (the plan's fwd_plain_tiles; sm90/fwd_mma.h, FwdMma::mma): the same arithmetic, so
 // the same bits, with more of the softmax ahead of the wait on this warpgroup's P V in the SASS.
-// Off until a GPU measures it (JAX_VARLEN_FWD_PLAIN=1 turns it on per process,
-// benchmarks/NOTES.md). The loop is compiled into the unpaged kernels of buckets up to 128 (d64
+// Measured on an H100 (benchmarks/NOTES.md, session 2026-12-07 j): d128-full +2.6%,
+// d128-causal-skewed +4.0%, docs-causal +2.1%, d128-skewed level (JAX_VARLEN_FWD_PLAIN=0 turns
+// it off per process). The loop is compiled into the unpaged kernels of buckets up to 128 (d64
 // and d128 at 128 keys: the lean ones; d128 at 176 keys: its only spills are in the code that
 // zeroes a partial tile's V rows, once per unit); at bucket 256 it would spill inside the loop.
-constexpr bool kFwdPlainTiles = false;
+constexpr bool kFwdPlainTiles = true;
 constexpr bool fwd_sm90_plain_kernels(int bucket) { return bucket <= 128; }
-// Whether the lean d128 kernel at 128 keys gives its consumers 240 registers and the producer
-// warpgroup 24 (the plan's fwd_wide_consumers; as FA3 does at d128) instead of 232 and 40. With
-// 240, ptxas keeps the whole row max and some exponents of a plain tile under the warpgroup's
-// own P V (at 232, half the max), and the producer, which decodes the lean units, spills
-// outside its tile loop (SASS, benchmarks/NOTES.md). Off until a GPU measures it
-// (JAX_VARLEN_FWD_WIDE=1 turns it on per process); a second kernel, without softcap only.
-constexpr bool kFwdWideConsumers = false;
-constexpr bool fwd_sm90_wide_kernels(int bucket, int block_n) { return bucket == 128 && block_n == 128; }
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of bwd_block_n(bucket) keys per CTA, steps of
 // bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the

@@ -85,10 +85,6 @@ struct Plan {
   // Plain tiles (limits.h, kFwdPlainTiles): the unpaged kernels of fwd_sm90_plain_kernels run
   // the tiles that need no mask in a loop without a branch; only with dynamic_units.
   bool fwd_plain_tiles = false;
-  // Wide consumers (limits.h, kFwdWideConsumers): the lean kernel of fwd_sm90_wide_kernels with
-  // 240 registers per consumer thread; only with lean_units, and only calls without softcap
-  // take it (the softcap kernel has one register split).
-  bool fwd_wide_consumers = false;
   // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
   // workspace, float32 elements per pack (tiles and counters, layout: plan/limits.h); all 0
   // when the call never takes that kernel.
@@ -114,14 +110,9 @@ inline bool switch_is(const char* name, char value) {
 inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
 inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
 // JAX_VARLEN_FWD_PLAIN=1 / 0 turns the Hopper forward's plain-tile loop on / off (a benchmark
-// knob: it moves no bit); unset or anything else: limits.h's kFwdPlainTiles.
+// knob: it moves no bit); unset or anything else: limits.h's kFwdPlainTiles (on).
 inline bool fwd_plain_enabled() {
   return switch_is("JAX_VARLEN_FWD_PLAIN", '1') || (cuda::kFwdPlainTiles && !switch_is("JAX_VARLEN_FWD_PLAIN", '0'));
-}
-// JAX_VARLEN_FWD_WIDE=1 / 0: the lean d128 kernel's wide consumers on / off (a benchmark knob:
-// it moves no bit); unset or anything else: limits.h's kFwdWideConsumers.
-inline bool fwd_wide_enabled() {
-  return switch_is("JAX_VARLEN_FWD_WIDE", '1') || (cuda::kFwdWideConsumers && !switch_is("JAX_VARLEN_FWD_WIDE", '0'));
 }
 // The integer in environment variable `name` when it is one whole number in [lo, hi] and a
 // multiple of `step`; unset or anything else: `fallback`.
@@ -212,7 +203,6 @@ inline Plan make_plan(const PlanInputs& in) {
     plan.lean_units = plan.dynamic_units && c::fwd_sm90_lean_kernels(bucket, plan.fwd_block_n);
     plan.fwd_prefetch_tiles = in.page_size == 0 ? fwd_prefetch_setting() : 0;
     plan.fwd_plain_tiles = plan.dynamic_units && c::fwd_sm90_plain_kernels(bucket) && fwd_plain_enabled();
-    plan.fwd_wide_consumers = plan.lean_units && c::fwd_sm90_wide_kernels(bucket, plan.fwd_block_n) && fwd_wide_enabled();
   }
 
   // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim (and the wide one's,

@@ -125,7 +125,6 @@ NB_MODULE(_jax_varlen, m) {
         d["lean_units"] = plan.lean_units;              // Hopper forward: lean units (limits.h)
         d["fwd_prefetch_tiles"] = plan.fwd_prefetch_tiles;  // Hopper forward: L2 prefetch distance
         d["fwd_plain_tiles"] = plan.fwd_plain_tiles;        // Hopper forward: the plain-tile loop
-        d["fwd_wide_consumers"] = plan.fwd_wide_consumers;  // Hopper forward: lean d128's 240-register consumers
         d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
         d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
         return d;
@@ -152,7 +151,6 @@ NB_MODULE(_jax_varlen, m) {
     d["lean_units"] = r.lean_units;  // the Hopper forward ran its lean kernel
     d["fwd_prefetch_tiles"] = r.fwd_prefetch_tiles;  // the Hopper forward's L2 prefetch distance
     d["fwd_plain_tiles"] = r.fwd_plain_tiles;  // the Hopper forward's kernel had its plain-tile loop on
-    d["fwd_wide_consumers"] = r.fwd_wide_consumers;  // the lean d128 kernel ran with 240-register consumers
     return d;
 #else
     return nb::none();

@@ -54,7 +54,6 @@ ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
   p.lean_units = plan->lean_units;
   p.fwd_prefetch_tiles = plan->fwd_prefetch_tiles;
   p.fwd_plain_tiles = plan->fwd_plain_tiles;
-  p.fwd_wide_consumers = plan->fwd_wide_consumers;
   if (p.num_packs * p.pack_rows_q == 0 || p.num_heads == 0) return ffi::Error::Success();  // no output
   const cudaError_t err = cuda::run_fwd(p, *plan, stream);
   if (err != cudaSuccess)

@@ -56,10 +56,6 @@ struct FwdTraits {
   static constexpr int kConsumerRegs = kBlockN > 128 ? 240 : 232;
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= register_pool(kThreads),
                 "setmaxnreg past the launch's registers deadlocks (common.h, register_pool)");
-  // The wide split of the lean d128 kernel at 128 keys (limits.h, fwd_sm90_wide_kernels).
-  static constexpr bool kWideKernels = ::jax_varlen::cuda::fwd_sm90_wide_kernels(kHeadDim, kBlockN);
-  static constexpr int kWideProducerRegs = 24, kWideConsumerRegs = 240;
-  static_assert(128 * kWideProducerRegs + kConsumerThreads * kWideConsumerRegs <= register_pool(kThreads));
   // Whether lean kernels (idle warpgroups, unit hand-over) exist for these traits: plan/limits.h
   // decides, for the plan too (the others would spill inside the mainloop, benchmarks/NOTES.md).
   static constexpr bool kLeanKernels = ::jax_varlen::cuda::fwd_sm90_lean_kernels(kHeadDim, kBlockN);
@@ -196,14 +192,10 @@ struct UnitHandover {
 
 // kPaged: K and V gathered from a paged cache (fwd_load.h), static units (the snake);
 // otherwise dynamic units (the counter, UnitSource), and where Tr has lean kernels lean units
-// (UnitHandover) and idle warpgroups (FwdMma::follow). kWide: the register split
-// kWideProducerRegs / kWideConsumerRegs (lean kernels of Tr::kWideKernels only).
-template <typename Tr, bool kSoftcap, bool kPaged, bool kWide = false>
+// (UnitHandover) and idle warpgroups (FwdMma::follow).
+template <typename Tr, bool kSoftcap, bool kPaged>
 __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_constant__ KernelParams<Tr> kp) {
   constexpr bool kDynamic = !kPaged, kLean = kDynamic && Tr::kLeanKernels;
-  static_assert(!kWide || (kLean && Tr::kWideKernels));
-  constexpr int kProducerRegs = kWide ? Tr::kWideProducerRegs : Tr::kProducerRegs;
-  constexpr int kConsumerRegs = kWide ? Tr::kWideConsumerRegs : Tr::kConsumerRegs;
   using Element = typename Tr::Element;
   using Sched = typename Tr::Scheduler;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -233,7 +225,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
 
   const FwdRole role = threadIdx.x < 128 ? FwdRole::kProducer : FwdRole::kConsumer;
   if (role == FwdRole::kProducer) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x >= 32 && !kPaged) {
       // Warps 1-3 have no load to issue: they zero the packed layout's unowned query rows (out,
       // lse) while the consumers compute, so dispatch.cu runs no fill kernel before this one.
@@ -259,7 +251,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
   const int ct = threadIdx.x - 128;  // 0..255
   FwdMma<Tr, kSoftcap> mainloop(ss, ct);
   const FwdEpilogue<Tr> epilogue(p, ct);
@@ -322,20 +314,16 @@ cudaError_t launch_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
   const int grid = kp.num_units < sm_count() ? kp.num_units : sm_count();
   // Two kernels per softcap flavour: a paged call's (pages gathered by the producer warps,
   // fwd_load.h; static units) and every other call's (dynamic units; lean units where Tr has
-  // lean kernels); where Tr has wide kernels, a third without softcap (fwd_wide_consumers). The
-  // plan's dynamic_units, lean_units and fwd_wide_consumers must say the same: any other
+  // lean kernels). The plan's dynamic_units and lean_units must say the same: any other
   // combination is an error, never another kernel.
   const bool paged = p.block_table != nullptr;
   if (paged ? (!kWithPaged || p.dynamic_units) : (!p.dynamic_units || p.lean_units != Tr::kLeanKernels))
     return cudaErrorInvalidValue;
-  if (p.fwd_wide_consumers && (paged || !Tr::kWideKernels)) return cudaErrorInvalidValue;
   const bool dynamic = !paged;
   auto pick = [&](auto softcap) {
     constexpr bool kSoftcap = decltype(softcap)::value;
     if constexpr (kWithPaged)
       if (paged) return fwd_sm90_kernel<Tr, kSoftcap, true>;
-    if constexpr (Tr::kWideKernels && !kSoftcap)
-      if (p.fwd_wide_consumers) return fwd_sm90_kernel<Tr, kSoftcap, false, true>;
     return fwd_sm90_kernel<Tr, kSoftcap, false>;
   };
   auto kernel = p.softcap > 0.0f ? pick(std::true_type{}) : pick(std::false_type{});
