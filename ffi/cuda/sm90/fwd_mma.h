@@ -201,8 +201,8 @@ struct FwdMma {
   // The mainloop of unit w (n_tiles > 0) on rows r: O unnormalized into tOrO (its old value
   // unused), the rows' max and partial sums into softmax. pipe: this thread's place in the K and
   // V rings; q_iter: the Q tiles consumed so far. kPlainLoop: the kernel has the loop of plain
-  // tiles (the unpaged kernels of Tr::kPlainKernels, fwd_sm90.cuh; only without softcap), which plain_tiles (params.h,
-  // fwd_plain_tiles) turns on.
+  // tiles (the unpaged kernels of Tr::kPlainKernels, fwd_sm90.cuh; only without softcap), which
+  // plain_tiles (params.h, fwd_plain_tiles) turns on.
   template <bool kPlainLoop, typename FragS, typename FragO, typename FragP>
   __device__ __forceinline__ void mma(const Unit& w, const FwdRows& r, PipelineState<kStages>& pipe, int& q_iter,
                                       RowSoftmax<kSoftcap>& softmax, FragS& tSrS, FragO& tOrO, FragP& tOrP,
