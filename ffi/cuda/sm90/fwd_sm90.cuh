@@ -280,7 +280,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     Tensor tSrS = partition_fragment_C(mainloop.mma_qk, select<0, 1>(typename Tr::TileQK{}));
     Tensor tOrO = partition_fragment_C(typename Tr::TiledMmaPV{}, select<0, 1>(typename Tr::TilePV{}));
     Tensor tOrP = make_tensor_like<Element>(make_tensor(tSrS.data(), acc_to_a_layout(tSrS.layout())));
-    mainloop.template mma<kDynamic && Tr::kPlainKernels>(w, rows, pipe, q_iter, softmax, tSrS, tOrO, tOrP, p.fwd_plain_tiles);
+    mainloop.template mma<kDynamic && Tr::kPlainKernels>(w, rows, pipe, q_iter, softmax, tSrS, tOrO, tOrP,
+                                                         p.fwd_plain_tiles);
     epilogue.store(w, rows, epilogue.unit_out(w), softmax, tOrO);  // addresses after the mainloop: fewer live registers there
   }
 }
