@@ -100,30 +100,23 @@ def test_forward_prefetch_knob(monkeypatch):
     assert paged["fwd_path"] == "sm90_one_pass" and paged["fwd_prefetch_tiles"] == 0
 
 
-def _check_on_off_switch(monkeypatch, variable, key, call):
-    """An on/off benchmark switch of the Hopper forward: `variable` = 1 / 0 sets the plan's `key`
-    for `call` (plan's keywords) on / off, any other value keeps the default; it sizes no
-    workspace. Leaves the switch at 1."""
-    default = plan(**call)
-    for value, want in (("1", True), ("0", False), ("2", None), ("", None), ("on", None)):
-        monkeypatch.setenv(variable, value)
-        got = plan(**call)
-        assert got[key] == (default[key] if want is None else want), value
-        assert workspaces(got) == workspaces(default), value
-    monkeypatch.setenv(variable, "1")
-
-
 def test_forward_plain_tiles_knob(monkeypatch):
     """JAX_VARLEN_FWD_PLAIN (a benchmark knob) turns the Hopper forward's loop of plain tiles on (1)
-    or off (0). Only unpaged one-pass calls at head dim 64 and 128 get it (every key tile width
-    there)."""
+    or off (0); any other value keeps the default; it sizes no workspace. Only unpaged one-pass
+    calls at head dim 64 and 128 get it (every key tile width there)."""
     lean = dict(Sq=300, compute_major=9, is_causal=True)
     if not _ffi.extension().with_sm90:
         monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
         assert not plan(**lean)["fwd_plain_tiles"]
         return
-    assert plan(**lean)["lean_units"]
-    _check_on_off_switch(monkeypatch, "JAX_VARLEN_FWD_PLAIN", "fwd_plain_tiles", lean)
+    default = plan(**lean)
+    assert default["lean_units"]
+    for value, want in (("1", True), ("0", False), ("2", None), ("", None), ("on", None)):
+        monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", value)
+        got = plan(**lean)
+        assert got["fwd_plain_tiles"] == (default["fwd_plain_tiles"] if want is None else want), value
+        assert workspaces(got) == workspaces(default), value
+    monkeypatch.setenv("JAX_VARLEN_FWD_PLAIN", "1")
     assert plan(Sq=300, D=64, compute_major=9)["fwd_plain_tiles"]  # d64: lean at any band
     unmasked = plan(Sq=300, compute_major=9)  # d128 unmasked: 176-key tiles, not lean
     assert unmasked["fwd_plain_tiles"] and unmasked["fwd_block_n"] == 176 and not unmasked["lean_units"]

@@ -19,7 +19,7 @@ struct LaunchRecord {
   int fwd_block_n = 0;  // the Hopper forward's keys per tile (0: another path)
   bool lean_units = false;  // the Hopper forward ran its lean kernel (Plan::lean_units)
   int fwd_prefetch_tiles = 0;  // the Hopper forward's L2 prefetch distance (Plan::fwd_prefetch_tiles)
-  bool fwd_plain_tiles = false;  // the Hopper forward's kernel had its plain-tile loop on (Plan::fwd_plain_tiles)
+  bool fwd_plain_tiles = false;  // the Hopper forward ran its plain-tile loop (Plan::fwd_plain_tiles, no softcap)
 };
 LaunchRecord last_launch();
 

@@ -150,7 +150,7 @@ NB_MODULE(_jax_varlen, m) {
     d["fwd_block_n"] = r.fwd_block_n;  // the Hopper forward's keys per tile (0: another path)
     d["lean_units"] = r.lean_units;  // the Hopper forward ran its lean kernel
     d["fwd_prefetch_tiles"] = r.fwd_prefetch_tiles;  // the Hopper forward's L2 prefetch distance
-    d["fwd_plain_tiles"] = r.fwd_plain_tiles;  // the Hopper forward's kernel had its plain-tile loop on
+    d["fwd_plain_tiles"] = r.fwd_plain_tiles;  // the Hopper forward ran its plain-tile loop
     return d;
 #else
     return nb::none();

@@ -292,8 +292,9 @@ struct FwdMma {
     // is taken on raw scores -- a step without a branch, the same arithmetic as the other. With
     // branches between the two waits ptxas places the second one (wait<0>) ahead of the whole
     // softmax, which then waits for P V; without, at d64 the row max and some of the exponents
-    // run under P V as in FA3 (at d128 only half of the max: the register budget; benchmarks/
-    // NOTES.md, session 2026-12-06 i, and results/2026-12-06-i-sass-overlap.txt).
+    // run under P V as in FA3, at d128 one row's max (35 of 64 FMNMX at 128 keys, 46 of 88 at
+    // 176: ptxas puts the wait after the first row's shuffles; benchmarks/NOTES.md, sessions
+    // 2026-12-06 i and 2026-12-07 j, and results/2026-12-06-i-sass-overlap.txt).
     auto overlapped = [&](int t, auto plain) {
       const int stage_v = pipe.stage, phase_v = pipe.phase;
       if (!decltype(plain)::value && t == w.n_tiles - 1 && last_rows < kBlockN && !half) {
