@@ -33,7 +33,7 @@
 #   (train: timing bound per measurement, default 15); NCU_SHAPES, NCU_REGEX, NCU_GRAD
 #   (non-empty: profile gradients, e.g. with NCU_REGEX=regex:bwd_); AB_BASE, AB_SHAPES,
 #   AB_PASSES (ab: "fwd train" by default), AB_S; CMAKE_DEFINES (this tree's build only, e.g.
-#   "JAX_VARLEN_BWD256=ON": the Hopper backward at head dim 256); OUT (output folder,
+#   "JAX_VARLEN_CUDA_UNITS=instantiation"); OUT (output folder,
 #   default /tmp/out).
 # A folder .whl/ in the repository root (carried to the device) is installed first, into
 # /tmp/site with --no-deps: flash-attn3-jax (the FA3 peer) and nvidia-cutlass (the CUTLASS/CuTe

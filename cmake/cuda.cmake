@@ -131,29 +131,16 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
     set(sm90_sources "")
     jax_varlen_instantiate(sm90_sources cuda/sm90/fwd_sm90.cuh jax_varlen::cuda::sm90::run_fwd_sm90
                            ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets} PER_ELEM)
-    # The backward's buckets: those up to kBwdSm90MaxHeadDim (limits.h), and 256 with
-    # JAX_VARLEN_BWD256 (the wide kernel, sm90/bwd_mma_wide.h: off by default until a GPU run
-    # has tested it; its two instantiations would also lengthen the quick start's build).
-    file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/ffi/plan/limits.h" bwd_max_line REGEX "kBwdSm90MaxHeadDim =")
-    string(REGEX REPLACE ".*= *([0-9]+).*" "\\1" bwd_max "${bwd_max_line}")
-    set(bwd_buckets "")
-    foreach(dim IN LISTS head_dim_buckets)
-      if(dim LESS_EQUAL bwd_max OR (JAX_VARLEN_BWD256 AND dim EQUAL 256))
-        list(APPEND bwd_buckets ${dim})
-      endif()
-    endforeach()
+    # The backward at every bucket (256: the wide consumers, sm90/bwd_mma_wide.h), one file per
+    # element type: the d256 kernels would otherwise lengthen the longest file of the build.
     jax_varlen_instantiate(sm90_sources cuda/sm90/bwd_sm90.cuh jax_varlen::cuda::sm90::run_bwd_sm90
-                           ELEMS ${tensor_core_elems} DIMS ${bwd_buckets} PARAMS BackwardParams)
+                           ELEMS ${tensor_core_elems} DIMS ${head_dim_buckets} PARAMS BackwardParams PER_ELEM)
     add_library(jax_varlen_sm90 STATIC ${sm90_sources})  # a static library: see jax_varlen_sm80
     target_include_directories(jax_varlen_sm90 PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/ffi" "${CUTLASS_INCLUDE_DIR}")
     target_compile_options(jax_varlen_sm90 PRIVATE --expt-relaxed-constexpr -O3)
     set_target_properties(jax_varlen_sm90 PROPERTIES CUDA_ARCHITECTURES "90a-real" POSITION_INDEPENDENT_CODE ON)
     set(sm90_library jax_varlen_sm90)
     target_compile_definitions(_jax_varlen PRIVATE JAX_VARLEN_WITH_SM90)
-    if(JAX_VARLEN_BWD256)
-      target_compile_definitions(jax_varlen_sm90 PRIVATE JAX_VARLEN_WITH_SM90_BWD256)
-      target_compile_definitions(_jax_varlen PRIVATE JAX_VARLEN_WITH_SM90_BWD256)
-    endif()
     message(STATUS "jax_varlen: Hopper (sm_90a) path with CUTLASS headers from ${CUTLASS_INCLUDE_DIR}")
   else()
     message(WARNING "jax_varlen: nvidia-cutlass not importable; building without the Hopper path")

@@ -40,8 +40,7 @@ def _compute_major():
 
 
 # (Sq, Skv, D, dtype): a prefill on the one-pass path (sm90 on Hopper), a decode row on
-# split-KV, float32 and an odd head size on the portable kernels, d256 (its Hopper backward only
-# in a JAX_VARLEN_BWD256 build).
+# split-KV, float32 and an odd head size on the portable kernels, d256 (the wide Hopper backward).
 PATH_CASES = {
     "prefill-d128-bf16": (200, 300, 128, jnp.bfloat16),
     "decode-d128-bf16": (1, 2500, 128, jnp.bfloat16),

@@ -220,19 +220,16 @@ def test_split_workspace_size():
 
 @pytest.mark.parametrize("dtype", SPLIT_DTYPES)
 def test_dq_workspace_by_bucket(dtype):
-    """The Hopper backward's dQ workspace is sized for the buckets it takes (64, 128; 256 in a
-    JAX_VARLEN_BWD256 build) and not past them, nor without a query or a key row; its per-pack
-    size is num_heads x slots x (a tile of bwd_block_m x bucket floats + a counter), and a
-    sequence-order entry per sequence."""
-    wide = _ffi.extension().with_sm90_bwd256
-    wide_cases = ((256, 256, 256), (64, 136, 256))
-    taken = ((64, 64, 64), (48, 64, 64), (128, 72, 128), (96, 128, 128)) + (wide_cases if wide else ())
+    """The Hopper backward's dQ workspace is sized at every bucket (64, 128, 256), not without a
+    query or a key row; its per-pack size is num_heads x slots x (a tile of bwd_block_m x bucket
+    floats + a counter), and a sequence-order entry per sequence."""
+    taken = ((64, 64, 64), (48, 64, 64), (128, 72, 128), (96, 128, 128), (256, 256, 256), (64, 136, 256))
     for D, Dv, bucket in taken:
         p = plan(dtype, Sq=300, D=D, Dv=Dv)
         assert p["head_dim_bucket"] == bucket and p["bwd_block_m"] == (128 if bucket == 64 else 64)
         unit = p["bwd_block_m"] * bucket + 1
         assert p["dq_workspace_per_pack"] > 1 and (p["dq_workspace_per_pack"] - 1) % (8 * unit) == 0
-    for kw in (dict(Sq=0), dict(Skv=0)) + (() if wide else tuple(dict(D=D, Dv=Dv) for D, Dv, _ in wide_cases)):
+    for kw in (dict(Sq=0), dict(Skv=0)):
         p = plan(dtype, **{"Sq": 300, **kw})
         assert p["dq_workspace_per_pack"] == 0 and p["bwd_block_m"] == 0
         assert p["bwd_path"] == "sm80"
@@ -263,7 +260,7 @@ def test_paths_by_compute_capability(Sq, D):
     hopper = by_major[9]
     if _ffi.extension().with_sm90:
         assert hopper["fwd_path"] == ("sm80_split" if Sq == 4 else "sm90_one_pass")
-        assert hopper["bwd_path"] == ("sm90" if D <= 128 or _ffi.extension().with_sm90_bwd256 else "sm80")
+        assert hopper["bwd_path"] == "sm90"
     else:
         assert (hopper["fwd_path"], hopper["bwd_path"]) == (by_major[8]["fwd_path"], "sm80")
     best = 9 if _ffi.extension().with_sm90 else 8

@@ -18,11 +18,9 @@
 // the unpaged Hopper forward zeroes its query rows from idle warps instead), then the same
 // kernels as padded ones (every kernel reads sequences through SeqlenInfo).
 // Backward (after portable/bwd_preprocess.cuh, for every path):
-//   sm90          compute capability 9,  the tensor-core shapes, a bucket up to      sm90::run_bwd_sm90
-//                 built with sm_90a      kBwdSm90MaxHeadDim (or the wide one's, a
-//                                        JAX_VARLEN_BWD256 build), Sq, Skv >= 1, extents
-//                                        within 32-bit coordinates (the plan sized
-//                                        its dQ workspace)
+//   sm90          compute capability 9,  the tensor-core shapes, Sq, Skv >= 1,      sm90::run_bwd_sm90
+//                 built with sm_90a      extents within 32-bit coordinates (the plan
+//                                        sized its dQ workspace)
 //   sm80 tensor   compute capability 8+  f16/bf16, D and Dv multiples of 8           sm80::run_bwd_tc
 //   cores
 //   portable      any                    everything else                            portable::run_bwd_simt
@@ -85,13 +83,8 @@ constexpr PathKernels kSm80OnePass = tensor_core_path(
 constexpr PathKernels kSm90OnePass = tensor_core_path(
     [](auto elem, auto dim) { return &sm90::run_fwd_sm90<typename decltype(elem)::type, decltype(dim)::value>; });
 
-// The Hopper backward: buckets up to kBwdSm90MaxHeadDim and the wide one's (null entries else).
-constexpr BwdPathKernels kBwdSm90 = tensor_core_path<BwdFn>([](auto elem, auto dim) -> BwdFn {
-  if constexpr (bwd_sm90_bucket(decltype(dim)::value))
-    return &sm90::run_bwd_sm90<typename decltype(elem)::type, decltype(dim)::value>;
-  else
-    return nullptr;
-});
+constexpr BwdPathKernels kBwdSm90 = tensor_core_path<BwdFn>(
+    [](auto elem, auto dim) -> BwdFn { return &sm90::run_bwd_sm90<typename decltype(elem)::type, decltype(dim)::value>; });
 #endif
 
 // The portable kernels take every head size: one entry per dtype, in every bucket.

@@ -79,9 +79,8 @@ constexpr bool kFwdPlainTiles = true;
 constexpr bool fwd_sm90_plain_kernels(int bucket) { return bucket <= 128; }
 
 // Hopper backward (sm90/bwd_sm90.cuh): key blocks of bwd_block_n(bucket) keys per CTA, steps of
-// bwd_block_m(bucket) query rows, head buckets up to kBwdSm90MaxHeadDim (larger ones take the
-// sm80 kernels; 256 too in a build with JAX_VARLEN_BWD256=ON, cmake/cuda.cmake: the wide
-// kernel, sm90/bwd_mma_wide.h: its first GPU tests pass, not yet timed). Its dQ workspace (float32
+// bwd_block_m(bucket) query rows, every head bucket (at 256 the wide consumers,
+// sm90/bwd_mma_wide.h). Its dQ workspace (float32
 // elements, an XLA output the CUDA backward always gets, sized by the plan, ffi/plan/plan.h):
 //   dq_accum     [packs, num_heads, slots, block_m * bucket]   slots = bwd_dq_slots(...)
 //                (each row block's tile in the consumers' register order, bwd_sm90.cuh)
@@ -89,18 +88,11 @@ constexpr bool fwd_sm90_plain_kernels(int bucket) { return bucket <= 128; }
 //   seq_order    [packs, pack_seqs] int32, right after that: the sequences heaviest first
 //                (sm90/seq_order.cuh), flat over the batch
 // bucket = the head-dim bucket of max(D, Dv); 0 elements when the plan gives the call no Hopper
-// backward (a bucket past kBwdSm90MaxHeadDim, float32, ...).
+// backward (float32, no query or key row, ...).
 // Sequence s of a pack (params.h) keeps its row blocks in slots (q_start + s * block_m) /
 // block_m on, so no two sequences share one: ceil(pack_rows_q / block_m) + pack_seqs - 1
 // slots per (pack, head); ceil(Sq / block_m) in the padded batch (a pack per sequence).
 // block_m * bucket = 8192 floats at buckets 64 and 128, 16384 at 256.
-constexpr int kBwdSm90MaxHeadDim = 128;
-#if defined(JAX_VARLEN_WITH_SM90_BWD256)
-constexpr int kBwdSm90WideHeadDim = 256;  // the wide kernel's bucket, in this build
-#else
-constexpr int kBwdSm90WideHeadDim = 0;
-#endif
-constexpr bool bwd_sm90_bucket(int bucket) { return bucket <= kBwdSm90MaxHeadDim || bucket == kBwdSm90WideHeadDim; }
 // Rows per step: 128 at bucket 64 (there a step's products are half the size and its fixed
 // costs -- waits, barriers, the dQ hand-off -- are not), 64 at buckets 128 and 256.
 constexpr int bwd_block_m(int bucket) { return bucket <= 64 ? 128 : 64; }

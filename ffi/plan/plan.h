@@ -205,10 +205,9 @@ inline Plan make_plan(const PlanInputs& in) {
     plan.fwd_plain_tiles = plan.dynamic_units && c::fwd_sm90_plain_kernels(bucket) && fwd_plain_enabled();
   }
 
-  // Backward. The Hopper kernel takes buckets up to kBwdSm90MaxHeadDim (and the wide one's,
-  // limits.h) and needs a query row; its dQ workspace is sized whenever an sm_90 device could
-  // take the call.
-  if (tensor_core_shapes && c::bwd_sm90_bucket(bucket) && in.seqlen_q >= 1 && in.seqlen_k >= 1 &&
+  // Backward. The Hopper kernel takes every bucket and needs a query and a key row; its dQ
+  // workspace is sized whenever an sm_90 device could take the call.
+  if (tensor_core_shapes && in.seqlen_q >= 1 && in.seqlen_k >= 1 &&
       in.pack_seqs >= 1) {
     plan.bwd_block_m = c::bwd_block_m(bucket);
     plan.dq_slots = c::bwd_dq_slots(in.pack_rows_q, in.pack_seqs, plan.bwd_block_m);

@@ -163,6 +163,4 @@ NB_MODULE(_jax_varlen, m) {
       false;
 #endif
   m.attr("with_sm90") = jax_varlen::kWithSm90;  // the Hopper kernels (sm_90a) are built in
-  // ... and the Hopper backward at head-dim bucket 256 (a JAX_VARLEN_BWD256 build, limits.h)
-  m.attr("with_sm90_bwd256") = jax_varlen::kWithSm90 && jax_varlen::cuda::kBwdSm90WideHeadDim == 256;
 }
