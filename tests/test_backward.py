@@ -344,9 +344,9 @@ def test_nan_in_real_data_propagates(backend, kind, causal):
 # Determinism and batch invariance.
 
 
-# d256: on the Hopper path 64-key blocks, whose consumers add their dQ partials themselves in
-# the order the writer warp keeps (bwd_dq.h): 11 blocks of the longest sequence add into each
-# row block, so a race in that order would change d_q's bits.
+# d256: on the Hopper path 64-key blocks, whose dQ partials are summed in the writer's fixed
+# order (bwd_dq.h): 11 blocks of the longest sequence add into each row block, so a race in
+# that order would change d_q's bits.
 DETERMINISM = {"d32": (3, 70, 130, 32, [130, 77, 3]), "d256": (3, 200, 700, 256, [700, 377, 3])}
 
 

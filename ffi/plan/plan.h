@@ -207,8 +207,7 @@ inline Plan make_plan(const PlanInputs& in) {
 
   // Backward. The Hopper kernel takes every bucket and needs a query and a key row; its dQ
   // workspace is sized whenever an sm_90 device could take the call.
-  if (tensor_core_shapes && in.seqlen_q >= 1 && in.seqlen_k >= 1 &&
-      in.pack_seqs >= 1) {
+  if (tensor_core_shapes && in.seqlen_q >= 1 && in.seqlen_k >= 1 && in.pack_seqs >= 1) {
     plan.bwd_block_m = c::bwd_block_m(bucket);
     plan.dq_slots = c::bwd_dq_slots(in.pack_rows_q, in.pack_seqs, plan.bwd_block_m);
     plan.dq_workspace_per_pack = in.num_heads * plan.dq_slots * (int64_t(plan.bwd_block_m) * bucket + 1) +
