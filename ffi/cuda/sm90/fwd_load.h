@@ -11,12 +11,10 @@
 #pragma once
 
 #include "cuda/sm90/common.h"
-#include "cuda/sm90/tile_scheduler.h"
+#include "cuda/sm90/fwd_traits.h"
 
 namespace jax_varlen::cuda::sm90 {
 
-template <typename Tr> struct SharedStorage;  // fwd_sm90.cuh
-template <typename Tr> struct KernelParams;   // fwd_sm90.cuh
 
 // One thread of the producer warp. The constructor builds, once before the unit loop, the TMA
 // views of the global tensors and the TMA partitions of the shared buffers; load() issues the
@@ -76,8 +74,8 @@ struct FwdLoad {
   template <typename Tma, typename Layout0>
   using SmemPart = decltype(std::declval<const Slice<Tma>&>().partition_D(std::declval<SmemTensor<Layout0>&>()));
 
-  const KernelParams<Tr>& kp;
-  SharedStorage<Tr>& ss;
+  const FwdKernelParams<Tr>& kp;
+  FwdSharedStorage<Tr>& ss;
   int group;    // query heads per kv head
   bool leader;  // lane 0 of warp 0
   int warp;     // 0..kProducerWarps - 1 (only warp 0 unless paged)
@@ -92,7 +90,7 @@ struct FwdLoad {
   SmemPart<typename Tr::TmaK, typename Tr::SmemLayoutK> tKsK;   // (TMA, 1, 1, stages)
   SmemPart<typename Tr::TmaV, typename Tr::SmemLayoutVt> tVsV;  // (TMA, 1, 1, stages)
 
-  __device__ __forceinline__ FwdLoad(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss)
+  __device__ __forceinline__ FwdLoad(const FwdKernelParams<Tr>& kp, FwdSharedStorage<Tr>& ss)
       : kp(kp), ss(ss), group(int(kp.p.num_heads / kp.p.kv_num_heads)), leader(threadIdx.x == 0),
         warp(threadIdx.x / 32),
         mQ(kp.tma_q.get_tma_tensor(make_shape(int(kp.p.pack_rows_q), int(kp.p.head_dim), int(kp.p.num_heads),

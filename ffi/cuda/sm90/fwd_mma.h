@@ -11,11 +11,10 @@
 
 #include "cuda/sm90/common.h"
 #include "cuda/sm90/fwd_softmax.h"
-#include "cuda/sm90/tile_scheduler.h"
+#include "cuda/sm90/fwd_traits.h"
 
 namespace jax_varlen::cuda::sm90 {
 
-template <typename Tr> struct SharedStorage;  // fwd_sm90.cuh
 
 // Named barriers (bar.sync ids; 0 is __syncthreads): the consumer ping-pong (warpgroup i waits
 // on kSchedWg0 + i), and each consumer warpgroup's own barrier after it zeroed a V tail.
@@ -54,7 +53,7 @@ struct FwdMma {
   using ThrQKh = ThrMma<typename Tr::TiledMmaQKHalf>;
   using ThrPV = ThrMma<typename Tr::TiledMmaPV>;
 
-  SharedStorage<Tr>& ss;
+  FwdSharedStorage<Tr>& ss;
   int ct;
   int cwg;           // consumer warpgroup: rows [64 * cwg, +64) of the unit
   bool warp_leader;  // lane 0
@@ -74,9 +73,9 @@ struct FwdMma {
   // The operands' shared-memory descriptors depend on the warpgroup alone: they are built from
   // its first thread, a warp-uniform value (the shuffle says so to the compiler), so they stay
   // in uniform registers instead of being copied there before every product (R2UR).
-  __device__ __forceinline__ FwdMma(SharedStorage<Tr>& ss, int ct)
+  __device__ __forceinline__ FwdMma(FwdSharedStorage<Tr>& ss, int ct)
       : FwdMma(ss, ct, __shfl_sync(0xffffffff, ct / 128, 0) * 128) {}
-  __device__ __forceinline__ FwdMma(SharedStorage<Tr>& ss, int ct, int wg_thread0)
+  __device__ __forceinline__ FwdMma(FwdSharedStorage<Tr>& ss, int ct, int wg_thread0)
       : ss(ss), ct(ct), cwg(ct / 128), warp_leader(threadIdx.x % 32 == 0),
         sVt(make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutVt{})),
         tSrQ(mma_qk.get_thread_slice(wg_thread0).partition_fragment_A(sQ())),

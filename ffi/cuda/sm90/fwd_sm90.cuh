@@ -33,114 +33,10 @@
 #include "cuda/sm90/fwd_epilogue.h"
 #include "cuda/sm90/fwd_load.h"
 #include "cuda/sm90/fwd_mma.h"
+#include "cuda/sm90/fwd_traits.h"
 #include "cuda/sm90/tile_scheduler.h"
 
 namespace jax_varlen::cuda::sm90 {
-
-// kBlockN_: keys per tile (plan/limits.h, fwd_sm90_block_n; the plan picks one per call).
-template <typename Element_, int kHeadDim_, int kBlockN_>
-struct FwdTraits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;  // bucket of max(D, Dv): 64, 128, 256
-  static constexpr int kBlockM = sm90::kBlockM;  // query rows per unit, 64 per consumer warpgroup
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = 2;
-  static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
-  static constexpr int kConsumerWarps = kConsumerThreads / 32;
-  static constexpr int kThreads = 128 + kConsumerThreads;
-  static constexpr int kProducerWarps = 4;  // warpgroup 0: warp 0 loads; all 4 gather a paged call's pages
-  // 128 * producer + 256 * consumer registers <= the launch's 64512 (common.h, register_pool);
-  // wider key tiles need the last 8.
-  static constexpr int kProducerRegs = kBlockN > 128 ? 24 : 40;
-  static constexpr int kConsumerRegs = kBlockN > 128 ? 240 : 232;
-  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= register_pool(kThreads),
-                "setmaxnreg past the launch's registers deadlocks (common.h, register_pool)");
-  // Whether lean kernels (idle warpgroups, unit hand-over) exist for these traits: plan/limits.h
-  // decides, for the plan too (the others would spill inside the mainloop, benchmarks/NOTES.md).
-  static constexpr bool kLeanKernels = ::jax_varlen::cuda::fwd_sm90_lean_kernels(kHeadDim, kBlockN);
-  // Whether the unpaged kernels have the loop of plain tiles (FwdMma::mma; limits.h).
-  static constexpr bool kPlainKernels = ::jax_varlen::cuda::fwd_sm90_plain_kernels(kHeadDim);
-  // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
-  // memory); larger ones keep their own order and read lengths from global memory.
-  static constexpr int kMaxSortedBatch = 384;
-  using Scheduler = HeaviestFirstScheduler<kBlockM, kBlockN, kMaxSortedBatch, kThreads>;
-  // A last tile of at most kHalfN keys (the largest multiple of 16 <= kBlockN / 2) runs on
-  // narrower products: 64 of 128, 80 of 176, 32 of 80.
-  static constexpr int kHalfN = kBlockN / 2 / 16 * 16;
-
-  using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S [M, N] = Q [M, D] K^T
-  using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O [M, Dv] += P [M, N] V
-  using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;  // warpgroups split M
-  using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, TileQK>(), AtomLayout{}));
-  // S of a last tile of at most kHalfN keys (see the consumer).
-  using TiledMmaQKHalf = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHalfN>, Int<kHeadDim>>>(),
-      AtomLayout{}));
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
-      AtomLayout{}));
-
-  // Q [kBlockM, kHeadDim] and K [kBlockN, kHeadDim] x stages, head dim contiguous (K-major);
-  // V^T [kHeadDim, kBlockN] x stages, head dim contiguous (MN-major): V lands as it is in HBM.
-  using SmemLayoutQ = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>(),
-      Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutK = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
-      Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutVt = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kHeadDim>, Int<kBlockN>>(),
-      Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
-
-  // Global tensors as TMA sees them: (rows, head dim, heads, batch), head dim contiguous; V as
-  // (head dim, rows, heads, batch) to match V^T.
-  using Shape4 = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using StrideRows = Stride<int64_t, _1, int64_t, int64_t>;
-  using StrideCols = Stride<_1, int64_t, int64_t, int64_t>;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
-      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape4{}, StrideRows{}),
-      SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{},
-      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape4{}, StrideRows{}),
-      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{},
-      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape4{}, StrideCols{}),
-      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
-
-  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // one K or V tile
-};
-
-// Shared memory. Every tile buffer is a multiple of 1 KB and 1 KB aligned (the 128-byte
-// swizzle repeats every 1 KB, and TMA and wgmma agree on it only from an aligned base).
-template <typename Tr>
-struct alignas(1024) SharedStorage {
-  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
-  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
-  cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutVt>, 1024> v;
-  uint64_t full_k[Tr::kStages], full_v[Tr::kStages];    // producer -> consumers: tile landed
-  uint64_t empty_k[Tr::kStages], empty_v[Tr::kStages];  // consumers -> producer: stage free
-  uint64_t full_q, empty_q;
-  UnitQueue units;  // dynamic units (tile_scheduler.h): the producer hands them to the consumers
-  typename Tr::Scheduler::SharedStorage sched;  // the batch's heaviest-first order
-  Unit lean_unit[2];  // lean units (UnitHandover): the units themselves, decoded by the producer
-};
-
-template <typename Tr>
-struct KernelParams {
-  typename Tr::TmaQ tma_q;
-  typename Tr::TmaK tma_k;
-  typename Tr::TmaV tma_v;
-  AttentionParams p;
-  int num_m_blocks;  // ceil(seqlen_q / kBlockM)
-  int num_units;     // batch * num_heads * num_m_blocks: the list's slots (tile_scheduler.h)
-};
-
-// Thread roles: warpgroup 0 is the producer's (its warp 0 loads, the others exit), warpgroups
-// 1 and 2 are the consumers.
-enum class FwdRole { kProducer, kConsumer };
 
 // Where each role's r-th unit comes from. Static (a paged call's kernel): the scheduler's snake
 // (unit_of_round), which both roles compute alike. Dynamic (params.h, dynamic_units: every
@@ -151,14 +47,14 @@ struct UnitSource {
   // Everything is read where it is used (kernel parameters, shared memory): no register stays
   // live across a unit for it.
   // The producer warp's r-th unit, or -1 past the end (every lane).
-  static __device__ int producer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r) {
+  static __device__ int producer_next(const FwdKernelParams<Tr>& kp, FwdSharedStorage<Tr>& ss, int num_units, int r) {
     if constexpr (!kDynamic) return Sched::unit_of_round(r, num_units);
     const int u = ss.units.claim(reinterpret_cast<int*>(kp.p.workspace), num_units, r);
     ss.units.publish(r, u);
     return u;
   }
   // A consumer thread's r-th unit, or -1 past the end.
-  static __device__ int consumer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r) {
+  static __device__ int consumer_next(const FwdKernelParams<Tr>& kp, FwdSharedStorage<Tr>& ss, int num_units, int r) {
     if constexpr (!kDynamic) return Sched::unit_of_round(r, num_units);
     return ss.units.read(r);
   }
@@ -174,7 +70,7 @@ template <typename Tr>
 struct UnitHandover {
   using Sched = typename Tr::Scheduler;
   // The producer warp's r-th unit into w (every lane); false past the end.
-  static __device__ bool producer_next(const KernelParams<Tr>& kp, SharedStorage<Tr>& ss, int num_units, int r,
+  static __device__ bool producer_next(const FwdKernelParams<Tr>& kp, FwdSharedStorage<Tr>& ss, int num_units, int r,
                                        Unit& w) {
     const int u = ss.units.claim(reinterpret_cast<int*>(kp.p.workspace), num_units, r);
     if (u >= 0) w = Sched::decode_unit(kp.p, kp.num_m_blocks, ss.sched, u);
@@ -183,7 +79,7 @@ struct UnitHandover {
     return u >= 0;
   }
   // A consumer thread's r-th unit into w; false past the end.
-  static __device__ bool consumer_next(SharedStorage<Tr>& ss, int r, Unit& w) {
+  static __device__ bool consumer_next(FwdSharedStorage<Tr>& ss, int r, Unit& w) {
     return ss.units.read(r, [&](int slot, int u) {
       if (u >= 0) w = ss.lean_unit[slot];
     }) >= 0;
@@ -194,12 +90,12 @@ struct UnitHandover {
 // otherwise dynamic units (the counter, UnitSource), and where Tr has lean kernels lean units
 // (UnitHandover) and idle warpgroups (FwdMma::follow).
 template <typename Tr, bool kSoftcap, bool kPaged>
-__global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_constant__ KernelParams<Tr> kp) {
+__global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_constant__ FwdKernelParams<Tr> kp) {
   constexpr bool kDynamic = !kPaged, kLean = kDynamic && Tr::kLeanKernels;
   using Element = typename Tr::Element;
   using Sched = typename Tr::Scheduler;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  auto& ss = *reinterpret_cast<SharedStorage<Tr>*>(smem_raw);
+  auto& ss = *reinterpret_cast<FwdSharedStorage<Tr>*>(smem_raw);
   const AttentionParams& p = kp.p;
   using Barrier = cutlass::arch::ClusterBarrier;
 
@@ -303,7 +199,7 @@ cudaError_t launch_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
                           make_shape(int(p.pack_rows_k), int(p.head_dim), int(p.kv_num_heads), int(p.num_packs)), k_stride);
   Tensor mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)),
                            make_shape(int(p.head_dim_v), int(p.pack_rows_k), int(p.kv_num_heads), int(p.num_packs)), v_stride);
-  KernelParams<Tr> kp{
+  FwdKernelParams<Tr> kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Tr::SmemLayoutQ{}, Shape<Int<Tr::kBlockM>, Int<kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Tr::SmemLayoutK{}), Shape<Int<Tr::kBlockN>, Int<kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Tr::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<Tr::kBlockN>>{}, _1{}),
@@ -328,7 +224,7 @@ cudaError_t launch_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
     return fwd_sm90_kernel<Tr, kSoftcap, false>;
   };
   auto kernel = p.softcap > 0.0f ? pick(std::true_type{}) : pick(std::false_type{});
-  constexpr size_t kSmem = sizeof(SharedStorage<Tr>);
+  constexpr size_t kSmem = sizeof(FwdSharedStorage<Tr>);
   static_assert(kSmem <= 227 * 1024, "shared memory of one sm_90 CTA");
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
   if (err != cudaSuccess) return err;
