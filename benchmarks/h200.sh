@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [prefetch] [plain] [sweep] [sinks] [ab] [ncu] [cmd]
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [dprefetch] [prefetch] [plain] [sweep] [sinks] [ab] [ncu] [cmd]
 #   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
 # GPU-only files tests/test_gpu_*.py); bench = the forward on bench.py's FWD_SHAPES (issue 11's
 # eight and prefill-right-padded; bf16, plus f16 of d128-full and d128-skewed), jax_varlen /
 # cuDNN / FA3 / XLA and the packed pair; train = train + bwd records (jax_varlen / cuDNN / FA3
 # and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; chunks = the decode
-# shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); prefetch = the
+# shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); dprefetch = the
+# decode shapes at each split-KV L2 prefetch distance of DPREFETCHES ("0 2 4", DPREFETCH_S 150
+# s); prefetch = the
 # Hopper forward's L2 prefetch distances PREFETCHES ("0 2 4") on PREFETCH_SHAPES (mixed-serve,
 # docs-causal, d128-full; packed impls; PREFETCH_S 100 s); plain = the Hopper forward's plain-tile
 # loop off and on (JAX_VARLEN_FWD_PLAIN) on PLAIN_SHAPES (docs-causal, docs-causal-d64,
@@ -81,6 +83,23 @@ knob() {
     first=0
   done
 }
+# decode_knob NAME VAR "VALUES": one bench.py decode process per value of environment variable
+# VAR on DECODE_SHAPES, equal shares of the stage's limit $L, FA3 (padded and paged) in the
+# first process only; logs $OUT/NAME<value>.log.
+decode_knob() {
+  local name=$1 var=$2 first=1 a share impls
+  set -- $3
+  share=$((L / $#))
+  for a in "$@"; do
+    impls=jax_varlen,jax_varlen_paged; ((first)) && impls=jax_varlen,jax_varlen_paged,fa3,fa3_paged
+    env "$var=$a" timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/$name$a" \
+      --tag decode --decode --budget-s $((share - 15)) --no-plot --extra-dtype none \
+      --shapes "${DECODE_SHAPES:-decode-full,decode-skewed,decode-paged}" --impls "$impls" \
+      >"$OUT/$name$a.log" 2>&1
+    echo "$name $a:"; grep -E "^\| decode" "$OUT/$name$a.log" | grep -v skipped | cut -c1-110
+    first=0
+  done
+}
 limit() {
   local left=$((TOTAL_S - ($(date +%s) - T0) - 10))
   ((left < 30)) && return 1
@@ -122,20 +141,11 @@ for stage in $STAGES; do
         >"$OUT/decode.log" 2>&1
       grep -E "^\| decode" "$OUT/decode.log" || tail -8 "$OUT/decode.log" ;;
     chunks) L=$(limit "${CHUNKS_S:-150}") || { echo "chunks: skipped (time)"; continue; }
-      # The split-KV chunk (JAX_VARLEN_SPLIT_KEYS, plan.h: one constant per process) on the
-      # decode shapes: one bench.py process per chunk in CHUNKS, equal shares of the stage,
-      # FA3 (padded and paged) in the first process only.
-      set -- ${CHUNKS:-1024 2048 4096}
-      share=$((L / $#)); first=1
-      for c in "$@"; do
-        impls=jax_varlen,jax_varlen_paged; ((first)) && impls=jax_varlen,jax_varlen_paged,fa3,fa3_paged
-        JAX_VARLEN_SPLIT_KEYS=$c timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/chunk$c" \
-          --tag decode --decode --budget-s $((share - 15)) --no-plot --extra-dtype none \
-          --shapes "${DECODE_SHAPES:-decode-full,decode-skewed,decode-paged}" --impls "$impls" \
-          >"$OUT/chunk$c.log" 2>&1
-        echo "chunk $c:"; grep -E "^\| decode" "$OUT/chunk$c.log" | grep -v skipped | cut -c1-110
-        first=0
-      done ;;
+      # The split-KV chunk (JAX_VARLEN_SPLIT_KEYS, plan.h: one constant per process).
+      decode_knob chunk JAX_VARLEN_SPLIT_KEYS "${CHUNKS:-1024 2048 4096}" ;;
+    dprefetch) L=$(limit "${DPREFETCH_S:-150}") || { echo "dprefetch: skipped (time)"; continue; }
+      # The split-KV kernel's L2 prefetch distance (JAX_VARLEN_FWD_PREFETCH, plan.h).
+      decode_knob dprefetch JAX_VARLEN_FWD_PREFETCH "${DPREFETCHES:-0 2 4}" ;;
     sinks) L=$(limit "${SINKS_S:-120}") || { echo "sinks: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/sinks_cost.py" --out "$OUT" >"$OUT/sinks.log" 2>&1
       tail -5 "$OUT/sinks.log" ;;
@@ -194,7 +204,7 @@ for stage in $STAGES; do
         jax_varlen,jax_varlen_packed jax_varlen,jax_varlen_packed,fa3_packed,fa3,dew3 ;;
     cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
       R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
-    *) echo "unknown stage $stage (tests bench train decode chunks prefetch plain sweep sinks ab ncu cmd)"; continue ;;
+    *) echo "unknown stage $stage (tests bench train decode chunks dprefetch prefetch plain sweep sinks ab ncu cmd)"; continue ;;
   esac
   echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done

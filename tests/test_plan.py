@@ -77,24 +77,30 @@ def test_split_chunk_knob(monkeypatch):
 
 
 def test_forward_prefetch_knob(monkeypatch):
-    """JAX_VARLEN_FWD_PREFETCH (a benchmark knob) sets the Hopper forward's L2 prefetch distance
-    to 0..8 key tiles on unpaged calls it takes; any other value keeps the default; other paths
-    and paged calls get 0. It sizes no workspace."""
+    """JAX_VARLEN_FWD_PREFETCH (a benchmark knob) sets the forward's L2 prefetch distance to
+    0..8 key tiles on the split-KV kernel (any device) and on the unpaged calls the Hopper
+    forward takes; any other value keeps the path's default; the sm80 one-pass kernel and paged
+    Hopper calls get 0. It sizes no workspace."""
+    values = (("0", 0), ("3", 3), ("8", 8), ("9", None), ("-1", None), ("2x", None), ("", None))
+    cases = [dict(Sq=4, compute_major=8), dict(Sq=4, compute_major=9), dict(Sq=1, page_size=64)]
+    if _ffi.extension().with_sm90:
+        cases.append(dict(Sq=300, compute_major=9))
+    for case in cases:
+        monkeypatch.delenv("JAX_VARLEN_FWD_PREFETCH", raising=False)
+        default = plan(**case)
+        assert default["fwd_path"] in ("sm80_split", "sm90_one_pass"), case
+        assert 0 <= default["fwd_prefetch_tiles"] <= 8, case
+        for value, want in values:
+            monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", value)
+            got = plan(**case)
+            assert got["fwd_prefetch_tiles"] == (default["fwd_prefetch_tiles"] if want is None else want), (case, value)
+            assert workspaces(got) == workspaces(default), (case, value)
+    monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", "3")
+    one_pass = plan(Sq=300, compute_major=8)
+    assert one_pass["fwd_path"] == "sm80_one_pass" and one_pass["fwd_prefetch_tiles"] == 0
     if not _ffi.extension().with_sm90:
-        monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", "3")
         assert plan(Sq=300, compute_major=9)["fwd_prefetch_tiles"] == 0
         return
-    default = plan(Sq=300, compute_major=9)
-    assert default["fwd_path"] == "sm90_one_pass" and 0 <= default["fwd_prefetch_tiles"] <= 8
-    for value, want in (("0", 0), ("3", 3), ("8", 8), ("9", None), ("-1", None), ("2x", None),
-                        ("", None)):
-        monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", value)
-        got = plan(Sq=300, compute_major=9)
-        assert got["fwd_prefetch_tiles"] == (default["fwd_prefetch_tiles"] if want is None else want), value
-        assert workspaces(got) == workspaces(default), value
-    monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", "3")
-    assert plan(Sq=300, compute_major=8)["fwd_prefetch_tiles"] == 0  # the sm80 kernels
-    assert plan(Sq=4, compute_major=9)["fwd_prefetch_tiles"] == 0  # split-KV
     monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
     paged = plan(Sq=300, compute_major=9, page_size=64)
     assert paged["fwd_path"] == "sm90_one_pass" and paged["fwd_prefetch_tiles"] == 0

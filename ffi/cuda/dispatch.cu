@@ -173,7 +173,8 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   last_dynamic_units.store(path == FwdPath::kSm90OnePass && p.dynamic_units, std::memory_order_relaxed);
   last_fwd_block_n.store(path == FwdPath::kSm90OnePass ? p.fwd_block_n : 0, std::memory_order_relaxed);
   last_lean_units.store(path == FwdPath::kSm90OnePass && p.lean_units, std::memory_order_relaxed);
-  last_fwd_prefetch_tiles.store(path == FwdPath::kSm90OnePass ? p.fwd_prefetch_tiles : 0, std::memory_order_relaxed);
+  last_fwd_prefetch_tiles.store(path == FwdPath::kSm90OnePass || path == FwdPath::kSm80Split ? p.fwd_prefetch_tiles : 0,
+                                std::memory_order_relaxed);
   // The plain loop runs where the plan turns it on, in the kernels without softcap, for a
   // positive scale (fwd_softmax.h: the max on raw scores).
   last_fwd_plain_tiles.store(path == FwdPath::kSm90OnePass && p.fwd_plain_tiles && !(p.softcap > 0.0f) && p.scale > 0.0f,

@@ -20,6 +20,11 @@ constexpr int kMaxHeadDim = kHeadDimBuckets[kNumHeadDimBuckets - 1];
 // derived from the batch, so a sequence's result does not depend on its batch-mates.
 constexpr int kSplitMaxSeqlenQ = 16;
 constexpr int kSplitKeys = 1024;
+// Its L2 prefetch distance (the plan's fwd_prefetch_tiles on this path): each warp asks the L2
+// for the K and V rows of the key tile this many tiles past the last one its ring has issued
+// (sm80/mainloop.h), for more bytes in flight per SM than the rings hold. 0: none (not yet
+// measured on a GPU; JAX_VARLEN_FWD_PREFETCH=n sets it per process, benchmarks/NOTES.md).
+constexpr int kSplitPrefetchTiles = 0;
 // Its workspace (layout: params.h, indices: sm80/split_layout.h) holds one partial per
 // (sequence, kv head, split, packed row), the packed rows (seqlen_q * group, group = num_heads /
 // kv_num_heads) rounded up to whole kSplitRowBlock-row blocks: the split kernel's MMA tile.
