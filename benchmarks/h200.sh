@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [dprefetch] [prefetch] [plain] [sweep] [sinks] [ab] [ncu] [cmd]
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [dprefetch] [prefetch] [plain]
+#                           [sweep] [sinks] [ab] [ncu] [cmd]
 #   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
 # GPU-only files tests/test_gpu_*.py); bench = the forward on bench.py's FWD_SHAPES (issue 11's
@@ -10,9 +11,8 @@
 # and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; chunks = the decode
 # shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); dprefetch = the
 # decode shapes at each split-KV L2 prefetch distance of DPREFETCHES ("0 2 4", DPREFETCH_S 150
-# s); prefetch = the
-# Hopper forward's L2 prefetch distances PREFETCHES ("0 2 4") on PREFETCH_SHAPES (mixed-serve,
-# docs-causal, d128-full; packed impls; PREFETCH_S 100 s); plain = the Hopper forward's plain-tile
+# s); prefetch = the Hopper forward's L2 prefetch distances PREFETCHES ("0 2 4") on
+# PREFETCH_SHAPES (mixed-serve, docs-causal, d128-full; packed impls; PREFETCH_S 100 s); plain = the Hopper forward's plain-tile
 # loop off and on (JAX_VARLEN_FWD_PLAIN) on PLAIN_SHAPES (docs-causal, docs-causal-d64,
 # mixed-serve, d128-causal-skewed, d128-full, d128-skewed; PLAIN_S 100 s); sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
