@@ -22,8 +22,9 @@ constexpr int kSplitMaxSeqlenQ = 16;
 constexpr int kSplitKeys = 1024;
 // Its L2 prefetch distance (the plan's fwd_prefetch_tiles on this path): each warp asks the L2
 // for the K and V rows of the key tile this many tiles past the last one its ring has issued
-// (sm80/mainloop.h), for more bytes in flight per SM than the rings hold. 0: none (not yet
-// measured on a GPU; JAX_VARLEN_FWD_PREFETCH=n sets it per process, benchmarks/NOTES.md).
+// (sm80/mainloop.h), for more bytes in flight per SM than the rings hold. 0: none -- 4 made
+// decode-paged 1.45x slower on an H100 (4 tiles x 12 warps x 132 SMs x 8 KB is the whole L2;
+// shorter distances not yet timed; JAX_VARLEN_FWD_PREFETCH=n sets it, benchmarks/NOTES.md).
 constexpr int kSplitPrefetchTiles = 0;
 // Its workspace (layout: params.h, indices: sm80/split_layout.h) holds one partial per
 // (sequence, kv head, split, packed row), the packed rows (seqlen_q * group, group = num_heads /

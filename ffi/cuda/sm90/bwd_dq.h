@@ -8,8 +8,13 @@
 // partial) or bulk-adds it (cp.reduce.async.bulk, the others) -- one 16 KB op per half, in the
 // order the registers hold it --, waits for it to land, and counts itself (a release add). The
 // consumers never wait on the counter: they hand the halves over through two shared buffers
-// (full_dq / empty_dq), so they fill one while the writer drains the other (one buffer at head
-// dim 256, kWide: shared memory). bwd_sm90_dq_kernel
+// (full_dq / empty_dq), so they fill one while the writer drains the other. At head dim 256
+// (Tr::kWide, no staging: bwd_traits.h) the writer only keeps the order: it waits for the
+// counter as above and arrives at the named barrier kDqTurn; each consumer thread then stores
+// (the first partial) or adds (red.global.add.v4.f32) its values in the same register order
+// straight from its accumulators and arrives at kDqDone; the writer syncs there and counts the
+// block (a release add: the barrier orders the consumers' adds before it, as CUTLASS's
+// GenericBarrier does). bwd_sm90_dq_kernel
 // then writes d_q = scale * dq_accum in the input dtype (zero rows where no block sees the row
 // block). The order depends only on the lengths, so d_q is bitwise deterministic. Every wait is
 // on a block of higher n of the same (b, g), which has a lower blockIdx.x (bwd_sm90.cuh: a
@@ -41,12 +46,23 @@ struct BwdDqWriter {
     int step = 0;
     for (int h = blk.h0; h < blk.h0 + blk.group; ++h)
       for (int m = blk.m_lo; m < blk.m_hi; ++m, ++step) {
-        static_assert(Tr::kDqBuffers == 1 || Tr::kDqBuffers == 2);
-        const int buf = Tr::kDqBuffers == 2 ? step & 1 : 0;
-        const int phase_dq = (Tr::kDqBuffers == 2 ? step >> 1 : step) & 1;
         const int rank = blk.key_blocks(p, m).y - 1 - blk.n_block;  // >= 0
         const int64_t unit = blk.dq_unit(p, kp.num_slots, h, m);
         int* sem = bp.dq_semaphore + unit;
+        if constexpr (!Tr::kDqStaged) {  // the consumers add; the writer keeps the order
+          if (lane == 0 && rank > 0)
+            while (load_acquire(sem) < rank) {
+            }
+          __syncwarp();
+          named_arrive(int(BwdBarrier::kDqTurn), kDqThreads<Tr>);
+          named_sync(int(BwdBarrier::kDqDone), kDqThreads<Tr>);
+          if (lane == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sem) : "memory");
+          __syncwarp();
+          continue;
+        }
+        static_assert(Tr::kDqBuffers == 2);
+        const int buf = step & 1;
+        const int phase_dq = (step >> 1) & 1;
         float* acc = bp.dq_accum + unit * (kBlockM * kHeadDim);
         // The halves in warpgroup order, each once its warpgroup handed it over; the first
         // waits for the block ahead in the order.

@@ -31,12 +31,13 @@ struct BwdConsumerSteps {
   using Barrier = cutlass::arch::ClusterBarrier;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kChunks = Tr::kHeadDim / 8;
 
+  const BwdKernelParams<Tr>& kp;
   const AttentionParams& p;
   BwdSharedStorage<Tr>& ss;
   int ct, lane, wg;
 
-  __device__ __forceinline__ BwdConsumerSteps(const AttentionParams& p, BwdSharedStorage<Tr>& ss)
-      : p(p), ss(ss), ct(threadIdx.x - 128), lane(threadIdx.x % 32), wg((threadIdx.x - 128) / 128) {}
+  __device__ __forceinline__ BwdConsumerSteps(const BwdKernelParams<Tr>& kp, BwdSharedStorage<Tr>& ss)
+      : kp(kp), p(kp.bp.fwd), ss(ss), ct(threadIdx.x - 128), lane(threadIdx.x % 32), wg((threadIdx.x - 128) / 128) {}
 
   // This warp's arrival on bar, once all its lanes are there.
   __device__ __forceinline__ void release(uint64_t* bar) const {
@@ -76,6 +77,19 @@ struct BwdConsumerSteps {
     cutlass::arch::fence_view_async_shared();
     named_sync(int(BwdBarrier::kOwnWg0) + wg, 128);
   }
+};
+
+// One consumer thread (ct = 0..255 over both warpgroups: warpgroup ct / 128 owns keys
+// [64 * (ct / 128), +64) of the block and dQ columns [D / 2 * (ct / 128), +D / 2)).
+template <typename Tr, bool kSoftcap>
+struct BwdMma : BwdConsumerSteps<Tr> {
+  using Steps = BwdConsumerSteps<Tr>;
+  using Steps::Steps, Steps::p, Steps::ss, Steps::ct, Steps::lane, Steps::wg, Steps::release;
+  using Element = typename Tr::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+  static_assert(!Tr::kWide && Tr::kDqStaged && Tr::kDqBuffers == 2, "head dim 256 has its own mainloop (bwd_mma_wide.h)");
+
   // The dQ partial (this warpgroup's half) to `half`, a buffer of d_q, in register order (value
   // v of thread wt at (v / 4) * 512 + 4 wt + v % 4), then handed to the writer on `full`.
   template <typename TdQ>
@@ -89,18 +103,6 @@ struct BwdConsumerSteps {
     cutlass::arch::fence_view_async_shared();
     release(full);
   }
-};
-
-// One consumer thread (ct = 0..255 over both warpgroups: warpgroup ct / 128 owns keys
-// [64 * (ct / 128), +64) of the block and dQ columns [D / 2 * (ct / 128), +D / 2)).
-template <typename Tr, bool kSoftcap>
-struct BwdMma : BwdConsumerSteps<Tr> {
-  using Steps = BwdConsumerSteps<Tr>;
-  using Steps::Steps, Steps::p, Steps::ss, Steps::ct, Steps::lane, Steps::wg, Steps::release;
-  using Element = typename Tr::Element;
-  using Barrier = cutlass::arch::ClusterBarrier;
-  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
-  static_assert(!Tr::kWide && Tr::kDqBuffers == 2, "head dim 256 has its own mainloop (bwd_mma_wide.h)");
 
   // The block's walk: dK and dV (cleared by the caller) summed over every step, the ring's
   // stages from pipe on.
@@ -251,7 +253,7 @@ struct BwdMma : BwdConsumerSteps<Tr> {
         // The dQ partial to this warpgroup's half of buffer `buf`, once the writer has read what
         // it held two steps ago.
         Barrier::wait(&ss.empty_dq[buf][wg], ((step >> 1) & 1) ^ 1);
-        this->hand_dq(ss.d_q[buf][wg], &ss.full_dq[buf][wg], tdQrdQ);
+        hand_dq(ss.d_q[buf][wg], &ss.full_dq[buf][wg], tdQrdQ);
         warpgroup_wait<0>();  // dK
         warpgroup_fence_operand(tdKrdK);
         warpgroup_fence_operand(tdKrdS);  // its registers stay live until dK has read them

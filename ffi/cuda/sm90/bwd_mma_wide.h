@@ -1,6 +1,7 @@
 // Consumer mainloop of the Hopper backward at head-dim bucket 256 (bwd_sm90.cuh, Tr::kWide).
-// d256-skewed's training step, H100: 299 TFLOP/s, 0.93x cuDNN (the mma.sync kernels it replaces:
-// 64; benchmarks/NOTES.md, session 2026-12-07 k).
+// d256-skewed's training step, H100: 323 TFLOP/s, 1.00x cuDNN with the dQ added from registers
+// (299 with it staged for the writer; the mma.sync kernels it replaces: 64; benchmarks/NOTES.md,
+// sessions 2026-12-07 k and l).
 //
 // At 256 the d128 split (each warpgroup 64 keys x the whole head dim) would keep dK and dV of 64
 // x 256 in each warpgroup's registers: 256 per thread. Here a CTA owns kBlockN = 64 keys and the
@@ -13,8 +14,9 @@
 //     1; arrives at kDsReady;
 //   both, each on its half of the head dim (TiledMmadKV and TiledMmadQ split N):
 //     dV += P^T dO (issued as soon as P^T is there), then after kDsReady dK += dS^T Q (the
-//     stage's Q and dO are then released) and dQ_part = dS K, all SS; the dQ partial goes to
-//     the writer (bwd_dq.h) as at d128.
+//     stage's Q and dO are then released) and dQ_part = dS K, all SS; each thread then stores
+//     or adds its dQ values into the workspace itself, when the writer warp says it is the
+//     block's turn (bwd_dq.h; no staging in shared memory, so Q and dO have two stages).
 // The step ends on a sync of both warpgroups (kConsumers): P^T, dS^T and p_mul are then free.
 // Per step each warpgroup issues 2 x 64 x 64 x 256 x 2 + ... = half the step's 10.5 MFLOP.
 // Registers: dK and dV halves 2 x 64, the dQ half 64 (after S^T or dP^T is dead), S^T or dP^T 32.
@@ -34,7 +36,31 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
   using Element = typename Tr::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
-  static_assert(Tr::kWide && Tr::kDqBuffers == 1 && kBlockM == 64 && kBlockN == 64);
+  static_assert(Tr::kWide && !Tr::kDqStaged && kBlockM == 64 && kBlockN == 64);
+
+  // Step (h, m)'s dQ partial, this warpgroup's half, into its dq_accum tile in register order
+  // (value v of thread wt at (v / 4) * 512 + 4 wt + v % 4, as bwd_sm90_dq_kernel reads it):
+  // stored by the first key block in the order, added by the others, each once the writer
+  // warp says the block ahead has added (kDqTurn); then counted by the writer (kDqDone).
+  template <typename TdQ>
+  __device__ __forceinline__ void add_dq(const BwdBlock<kBlockM, kBlockN>& blk, int h, int m, const TdQ& tdQrdQ) const {
+    constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
+    const bool first = blk.key_blocks(p, m).y - 1 == blk.n_block;
+    float* half = this->kp.bp.dq_accum + blk.dq_unit(p, this->kp.num_slots, h, m) * (kBlockM * kHeadDim) +
+                  wg * Tr::kDqHalf + 4 * (ct % 128);
+    named_sync(int(BwdBarrier::kDqTurn), kDqThreads<Tr>);
+#pragma unroll
+    for (int i = 0; i < kQ; i += 4) {
+      float* dst = half + i * 128;
+      if (first)
+        asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(tdQrdQ(i)), "f"(tdQrdQ(i + 1)),
+                     "f"(tdQrdQ(i + 2)), "f"(tdQrdQ(i + 3)) : "memory");
+      else
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(tdQrdQ(i)), "f"(tdQrdQ(i + 1)),
+                     "f"(tdQrdQ(i + 2)), "f"(tdQrdQ(i + 3)) : "memory");
+    }
+    named_arrive(int(BwdBarrier::kDqDone), kDqThreads<Tr>);
+  }
 
   // The block's walk: dK and dV (this warpgroup's half of the head dim, cleared by the caller)
   // summed over every step, the ring's stages from pipe on.
@@ -93,9 +119,8 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
 
     const MaskSpec mask = p.mask();
     const DiagonalBand band = diagonal_band(mask, n, len_q);
-    int step = 0;
     for (int h = blk.h0; h < blk.h0 + blk.group; ++h) {
-      for (int m = blk.m_lo; m < blk.m_hi; ++m, ++step) {
+      for (int m = blk.m_lo; m < blk.m_hi; ++m) {
         const int row0 = m * kBlockM;
         const int stage = pipe.stage;
         Tensor tAcc = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // S^T or dP^T
@@ -160,9 +185,8 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
         }
 
         // Both warpgroups, their half of the head dim: dK += dS^T Q first, the last read of the
-        // stage's Q and dO, so the stage is released -- and the next step's Q and dO (one stage:
-        // their latency is otherwise exposed once per step) load -- while dQ_part = dS K runs
-        // and is handed to the writer.
+        // stage's Q and dO, so the stage is released while dQ_part = dS K runs; then dQ_part
+        // into the workspace.
         Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         wgmma_issue<false>(mma_dkv, tdKVrA(_, _, _, 1), tdKrQt(_, _, _, stage), tdKrdK);
         wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, 1), tdQrKt, tdQrdQ);
@@ -171,8 +195,7 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
         release(&ss.empty[stage]);
         warpgroup_wait<0>();  // dQ
         warpgroup_fence_operand(tdQrdQ);
-        Barrier::wait(&ss.empty_dq[0][wg], (step & 1) ^ 1);  // one buffer: the writer read the last
-        this->hand_dq(ss.d_q[0][wg], &ss.full_dq[0][wg], tdQrdQ);
+        add_dq(blk, h, m, tdQrdQ);
         // Every product of the step has read P^T, dS^T and p_mul: the next step may write them.
         named_sync(int(BwdBarrier::kConsumers), Tr::kConsumerThreads);
         pipe.advance();

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
       Barrier::init(&ss.empty[s], Tr::kConsumerWarps);
     }
 #pragma unroll
-    for (int i = 0; i < 2 * Tr::kDqBuffers; ++i) {
+    for (int i = 0; i < (Tr::kDqStaged ? 2 * Tr::kDqBuffers : 0); ++i) {
       Barrier::init(&ss.full_dq[i / 2][i % 2], Tr::kConsumerWarps / 2);
       Barrier::init(&ss.empty_dq[i / 2][i % 2], 1);
     }
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   }
 
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
-  const std::conditional_t<Tr::kWide, BwdMmaWide<Tr, kSoftcap>, BwdMma<Tr, kSoftcap>> mainloop(p, ss);
+  const std::conditional_t<Tr::kWide, BwdMmaWide<Tr, kSoftcap>, BwdMma<Tr, kSoftcap>> mainloop(kp, ss);
   Tensor tdVrdV = partition_fragment_C(typename Tr::TiledMmadKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor tdKrdK = partition_fragment_C(typename Tr::TiledMmadKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(tdVrdV);

@@ -13,12 +13,16 @@ struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;  // bucket of max(D, Dv): 64, 128 or 256
   // kWide (bucket 256, bwd_mma_wide.h): dK and dV of 128 keys would not fit the consumers'
   // registers, so a CTA owns 64 keys, one warpgroup computes S^T and the other dP^T, and both
-  // split the head dim of dK, dV and dQ. Q and dO in one stage, one dQ buffer: shared memory.
+  // split the head dim of dK, dV and dQ. There the consumers add their dQ partials to the
+  // workspace from registers, in the order the writer warp gives them (bwd_dq.h), instead of
+  // staging them in shared memory for its bulk adds: the 64 KB the staging would take hold Q
+  // and dO's second stage, and a step moves 128 KB less through shared memory.
   static constexpr bool kWide = kHeadDim_ > 128;
   static constexpr int kBlockM = bwd_block_m(kHeadDim_);  // query rows per step
   static constexpr int kBlockN = bwd_block_n(kHeadDim_);  // keys per CTA (64 per warpgroup unless kWide)
-  static constexpr int kStages = kWide ? 1 : 2;
-  static constexpr int kDqBuffers = kWide ? 1 : 2;  // dQ partial buffers between consumers and writer
+  static constexpr int kStages = 2;
+  static constexpr bool kDqStaged = !kWide;  // dQ partials go through shared memory to the writer
+  static constexpr int kDqBuffers = 2;       // kDqStaged: dQ partial buffers between consumers and writer
   static constexpr int kConsumerThreads = 256;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kThreads = 128 + kConsumerThreads;
@@ -117,7 +121,8 @@ struct alignas(1024) BwdSharedStorage {
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> v;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutdSStored>, 1024> d_s;
-  alignas(128) float d_q[Tr::kDqBuffers][2][Tr::kDqHalf];  // dQ partials [buffer][consumer warpgroup's half]
+  // dQ partials [buffer][consumer warpgroup's half] (kDqStaged; else one unused float4 each)
+  alignas(128) float d_q[Tr::kDqBuffers][2][Tr::kDqStaged ? Tr::kDqHalf : 4];
   float lse2[Tr::kStages][Tr::kBlockM];   // lse * log2 e of the step's rows, +inf past Sq
   float delta[Tr::kStages][Tr::kBlockM];  // delta of the step's rows, 0 past Sq
   uint64_t full_kv;                  // K and V landed
@@ -204,8 +209,13 @@ struct BwdBlock {
 // Named barriers (bar.sync ids; 0 is __syncthreads): both consumer warpgroups (K tail zeroed,
 // dS^T written; kWide: the step's shared tiles free), and each consumer warpgroup's own (kOwnWg0 +
 // w: its Q and dO tails zeroed); kWide's hand-overs, arrived at by one warpgroup and waited on
-// by the other: P^T and P's multiplier written (kPReady), dS^T written (kDsReady).
-enum class BwdBarrier : int { kConsumers = 1, kOwnWg0 = 2, kOwnWg1 = 3, kPReady = 4, kDsReady = 5 };
+// by the other: P^T and P's multiplier written (kPReady), dS^T written (kDsReady); and, between
+// the writer warp and both consumer warpgroups (kDqThreads), the dQ order at kWide (bwd_dq.h):
+// the writer arrives at kDqTurn once the block ahead has added the step's row block, the
+// consumers at kDqDone once they have.
+enum class BwdBarrier : int { kConsumers = 1, kOwnWg0 = 2, kOwnWg1 = 3, kPReady = 4, kDsReady = 5, kDqTurn = 6, kDqDone = 7 };
+template <typename Tr>
+constexpr int kDqThreads = Tr::kConsumerThreads + 32;
 
 // Thread roles: warpgroup 0 is the producer's -- its warp 0 loads (bwd_load.h), its warp 1 writes
 // the dQ partials (bwd_dq.h), warps 2 and 3 exit --, warpgroups 1 and 2 are the consumers
