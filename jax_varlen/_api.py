@@ -229,8 +229,12 @@ def check_lengths(name: str, lengths, batch: int, extent: int, extent_name: str)
                 f"0 <= n <= {extent_name} = {extent}"
             )
     # Traced lengths reach the primitive as they are (kernels clamp them; checkify reports
-    # them, _checkify.py); int64 is narrowed after a clip to [-1, extent + 1], which keeps an
-    # out-of-range value out of range instead of letting it wrap.
+    # them, _checkify.py): int32 untouched -- a clip would be one more XLA kernel per call,
+    # 2.7 us of a 232 us decode step (H100, benchmarks/NOTES.md, session 2026-12-07 m) --, and
+    # int64 narrowed after a clip to [-1, extent + 1], which keeps an out-of-range value out of
+    # range instead of letting it wrap.
+    if lengths.dtype == jnp.int32:
+        return lengths
     return jnp.clip(lengths, -1, extent + 1).astype(jnp.int32)
 
 

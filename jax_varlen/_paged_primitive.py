@@ -81,11 +81,14 @@ def _batch_rule(args, dims, *, config):
     q_dim, k_dim, v_dim, n_dim, t_dim = dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     if k_dim is not None or v_dim is not None:
-        # Element m's pages are pages m * num_pages on of the folded caches.
+        # Element m's pages are pages m * num_pages on of the folded caches. The kernel clamps
+        # a page index into the folded caches only, so an invalid one is clamped into its own
+        # element's pages here first.
         num_pages = key_cache.shape[0 if k_dim != 0 else 1]
         _, (key_cache, value_cache) = fold_vmapped_axis([key_cache, value_cache], [k_dim, v_dim])
         table = (block_table[None] if t_dim is None else jnp.moveaxis(block_table, t_dim, 0))
-        table = table + (jnp.arange(size, dtype=table.dtype) * num_pages)[:, None, None]
+        table = (jnp.clip(table, 0, num_pages - 1) +
+                 (jnp.arange(size, dtype=table.dtype) * num_pages)[:, None, None])
         block_table, t_dim = table, 0
     _, (query, seqlens_k, block_table) = fold_vmapped_axis(
         [query, seqlens_k, block_table], [q_dim, n_dim, t_dim])
@@ -115,6 +118,10 @@ def _lower_cpu(ctx, query, key_cache, value_cache, seqlens_k, block_table, *, co
     out_aval, lse_aval = ctx.avals_out
 
     def compute(query, key_cache, value_cache, seqlens_k, block_table):
+        # The CUDA kernel clamps each page index where it reads it (seqlen.h, paged_key_row),
+        # so paged_attention passes the table unclamped: clamped here the same way (the padded
+        # target clamps the lengths itself).
+        block_table = jnp.clip(block_table, 0, key_cache.shape[0] - 1)
         key = gather_pages(key_cache, block_table)
         value = gather_pages(value_cache, block_table)
         call = jax.ffi.ffi_call(_ffi.CPU_TARGET, (out_aval, lse_aval))

@@ -437,6 +437,41 @@ def test_in_place_vmap_and_export(backend, axes):
         assert bits(got[0]) == bits(want[0]) and bits(got[1]) == bits(want[1])
 
 
+@pytest.mark.parametrize("vmapped", [False, True], ids=["call", "vmap"])
+def test_in_place_clamps_bad_indices(backend, vmapped):
+    """On the in-place path nothing clamps in XLA: the kernel clamps each page index and length
+    where it reads them (seqlen.h). A used table entry outside [0, num_pages) reads the page
+    the clamped entry names -- under vmap, a page of its own element's cache, never a
+    neighbour's -- and a length past the extent reads the extent, bit for bit as the clamped
+    inputs do. (checkify reports both: test_checkify_reports_bad_table_entries.)"""
+    H, Hkv, D, ps, max_pages = 4, 2, 32, 16, 5
+    calls = [_paged([70, 17, 0, 1], ps, max_pages, Hkv, D, D, jnp.bfloat16, seed=s, pad=0.5)
+             for s in (1, 2)]
+    num_pages = calls[0][0].shape[0]
+    assert calls[1][0].shape[0] == num_pages
+    q = _queries((2, 4, 1, H, D), jnp.bfloat16)
+
+    def f(q, kc, vc, table, n):
+        return jax_varlen.paged_attention(q, kc, vc, table, n, return_lse=True)
+
+    assert "jax_varlen_paged_attention_fwd" in str(jax.make_jaxpr(f)(q[0], *calls[0][:4]))
+    bad = [(c[2].at[0, 1].set(num_pages + 3).at[1, 0].set(-5), c[3].at[3].set(10**6))
+           for c in calls]
+    clamped = [(c[2].at[0, 1].set(num_pages - 1).at[1, 0].set(0), c[3].at[3].set(max_pages * ps))
+               for c in calls]
+    if vmapped:
+        stack = lambda i, tn: jnp.stack([x[i] if i < 2 else tn[e][i - 2]  # noqa: E731
+                                         for e, x in enumerate(calls)])
+        got = jax.jit(jax.vmap(f))(q, stack(0, None), stack(1, None), stack(2, bad),
+                                   stack(3, bad))
+        got = [(got[0][e], got[1][e]) for e in range(2)]
+    else:
+        got = [jax.jit(f)(q[e], *calls[e][:2], *bad[e]) for e in range(2)]
+    for e in range(2):
+        want = jax.jit(f)(q[e], *calls[e][:2], *clamped[e])
+        assert bits(got[e][0]) == bits(want[0]) and bits(got[e][1]) == bits(want[1])
+
+
 def test_checkify_reports_bad_table_entries(backend):
     """A used table entry outside [0, num_pages) is clamped (no out-of-bounds read) and
     reported under checkify; garbage past a sequence's pages is neither read nor reported."""

@@ -72,8 +72,9 @@ def test_split_chunk_knob(monkeypatch):
         monkeypatch.setenv("JAX_VARLEN_SPLIT_KEYS", value)
         got = plan(Skv=4100)
         assert got["split_keys"] == (want or default["split_keys"]), value
-        chunks = -(-4100 // got["split_keys"])  # partials: [Hkv, chunks, 16 rows] of Dv + 1
-        assert got["fwd_workspace_per_pack"] == 2 * chunks * 16 * (128 + 1), value
+        chunks = -(-4100 // got["split_keys"])  # partials: [Hkv, chunks, 16 rows] of Dv + 1,
+        # then a counter per (kv head, row block)
+        assert got["fwd_workspace_per_pack"] == 2 * chunks * 16 * (128 + 1) + 2, value
 
 
 def test_forward_prefetch_knob(monkeypatch):
@@ -203,14 +204,17 @@ def test_lean_units_where_the_kernels_have_them(monkeypatch):
 
 
 def test_split_workspace_size():
-    """One float32 partial per (sequence, kv head, chunk of keys, padded query row), each
-    head_dim_v + 1 floats (output and lse): a second chunk doubles it, a sequence more in the
-    pack adds as much again, and with no query or key row it is empty."""
+    """Per sequence, one float32 partial per (kv head, chunk of keys, padded query row), each
+    head_dim_v + 1 floats (output and lse), then one int32 arrival counter per (kv head, 16-row
+    block of packed rows): a second chunk doubles the partials but not the counters, a
+    sequence more in the pack adds as much again, and with no query or key row it is empty."""
     chunk = plan(Sq=4)["split_keys"]
+    # H = 8, Hkv = 2: 4 query rows x 4 heads = 16 packed rows, one row block per kv head.
+    rows, counters = 2 * 16, 2
     one = plan(Sq=4, Skv=chunk, Dv=64)["fwd_workspace_per_pack"]
-    assert one > 0 and one % 65 == 0
-    assert plan(Sq=4, Skv=chunk + 1, Dv=64)["fwd_workspace_per_pack"] == 2 * one
-    assert plan(Sq=4, Skv=chunk, Dv=128)["fwd_workspace_per_pack"] == one // 65 * 129
+    assert one == rows * 65 + counters
+    assert plan(Sq=4, Skv=chunk + 1, Dv=64)["fwd_workspace_per_pack"] == 2 * rows * 65 + counters
+    assert plan(Sq=4, Skv=chunk, Dv=128)["fwd_workspace_per_pack"] == rows * 129 + counters
     packed = plan(Sq=4, Skv=chunk, Dv=64, pack_seqs=3, pack_rows_q=40, pack_rows_k=3 * chunk)
     assert packed["fwd_workspace_per_pack"] == 3 * one
     assert plan(Sq=0)["fwd_workspace_per_pack"] == 0

@@ -86,12 +86,15 @@ struct AttentionParams {
 
   // Split-KV (decode) path: each sequence's allowed keys are cut into chunks of split_keys
   // keys (a constant, never derived from the batch), each chunk's normalized partial output
-  // and base-2 lse go to `workspace`, and a second kernel merges them in chunk order.
+  // and base-2 lse go to `workspace`, and the last block of each row block to finish merges
+  // them in chunk order.
   // split_keys = 0 selects the one-pass kernels; the CUDA handler sets both from the plan
   // (plan/plan.h). Layout, rows_pad = seqlen_q * group rounded up to whole kSplitRowBlock-row
   // blocks (plan/limits.h):
   //   o_part   [batch, kv_num_heads, max_splits, rows_pad, head_dim_v] fp32
   //   lse_part [batch, kv_num_heads, max_splits, rows_pad] fp32, right after o_part
+  //   counters [batch, kv_num_heads, rows_pad / kSplitRowBlock] int32, right after lse_part
+  //            (zeroed before the launch; absent when there is no partial)
   // (indices: cuda/sm80/split_layout.h). Without split-KV, the Hopper forward's unit counter
   // (dynamic_units below) is the workspace's first word, read as an int32.
   float* workspace;

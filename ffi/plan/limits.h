@@ -37,6 +37,12 @@ constexpr int64_t split_rows_padded(int64_t seqlen_q, int64_t group) {
 constexpr int64_t split_max_splits(int64_t seqlen_k, int64_t split_keys) {
   return (seqlen_k + split_keys - 1) / split_keys;
 }
+// Row blocks of one sequence, each with an arrival counter after the partials (the split
+// kernel's last block of a row block merges it: sm80/fwd_split.cuh): [kv_num_heads,
+// rows_padded / kSplitRowBlock] int32.
+constexpr int64_t split_counters_per_seq(int64_t seqlen_q, int64_t num_heads, int64_t kv_num_heads) {
+  return kv_num_heads * (split_rows_padded(seqlen_q, num_heads / kv_num_heads) / kSplitRowBlock);
+}
 // Partials of one sequence: [kv_num_heads, max_splits, rows_padded].
 constexpr int64_t split_partials_per_seq(int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads,
                                          int64_t kv_num_heads, int64_t split_keys) {

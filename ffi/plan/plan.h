@@ -186,10 +186,13 @@ inline Plan make_plan(const PlanInputs& in) {
   // GPU where a one-pass grid would have a block or two per sequence.
   if (tensor_core_shapes && in.seqlen_q <= c::kSplitMaxSeqlenQ) {
     plan.split_keys = split_keys_setting();
+    const int64_t partials =
+        c::split_partials_per_seq(in.seqlen_q, in.seqlen_k, in.num_heads, in.kv_num_heads, plan.split_keys);
+    // o_part [.., head_dim_v], then lse_part, then (when there is a partial) the row blocks'
+    // arrival counters
     plan.fwd_workspace_per_pack =
-        in.pack_seqs * c::split_partials_per_seq(in.seqlen_q, in.seqlen_k, in.num_heads, in.kv_num_heads,
-                                                 plan.split_keys) *
-        (in.head_dim_v + 1);  // o_part [.., head_dim_v], then lse_part
+        in.pack_seqs * (partials * (in.head_dim_v + 1) +
+                        (partials > 0 ? c::split_counters_per_seq(in.seqlen_q, in.num_heads, in.kv_num_heads) : 0));
   } else if (tensor_core_shapes && sm90_extents) {
     plan.fwd_workspace_per_pack = 1;  // the unit counter (an int32 in pack 0's word)
   }

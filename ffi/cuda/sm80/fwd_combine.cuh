@@ -1,10 +1,11 @@
-// Second kernel of the split-KV path (fwd_split.cuh): merges each packed row's partials --
-// normalized fp32 outputs and base-2 lses, one per split of split_keys keys -- into out and lse,
-// in a fixed order. A row visits exactly the splits that hold one of its allowed keys (its
-// count of allowed keys decides, never a sum), so a row with no allowed key gives exact zeros
-// and lse = -inf, while a NaN partial reaches the row. The sums' shapes depend only on the
-// row's own split count: deterministic and, split_keys being a constant, independent of the
-// batch.
+// The split-KV path's merge (fwd_split.cuh): each packed row's partials -- normalized fp32
+// outputs and base-2 lses, one per split of split_keys keys -- into out and lse, in a fixed
+// order. The last split block of a row block to finish runs it for the block's rows. A row
+// visits exactly the splits that hold one of its allowed keys (its count of allowed keys
+// decides, never a sum), so a row with no allowed key gives exact zeros and lse = -inf, while a
+// NaN partial reaches the row. The sums' shapes depend only on the row's own split count:
+// deterministic and, split_keys being a constant, independent of the batch and of which block
+// merges.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,19 +33,14 @@ __device__ __forceinline__ float warp_reduce(float x) {
   return x;
 }
 
-// One warp per packed row, kCombineWarps rows per block: merges the row's splits into out and
-// lse with no block-wide sync (the kernel's time is mostly latency: a few microseconds of
-// dependent loads per row). Every sum has a fixed shape that depends only on the row's split
-// count: lane l takes splits l, l + 32, ... for the max and the weights' sum (then a
-// butterfly), and the output columns l, l + 32, ... summed over the splits in order.
-constexpr int kCombineWarps = 4;
+// Packed row r of (sequence b, kv head g), by one warp: lane l takes splits l, l + 32, ... for
+// the max and the weights' sum (then a butterfly), and the output columns l, l + 32, ...
+// summed over the splits in order. The partials are read through the L2 (ld.global.cg): other
+// blocks wrote them during this kernel.
 template <typename Elem, int kHeadDim>
-__global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const __grid_constant__ AttentionParams p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t r = int64_t(blockIdx.x) * kCombineWarps + warp, g = blockIdx.y, b = blockIdx.z;
+__device__ __forceinline__ void combine_row(const AttentionParams& p, int64_t b, int64_t g, int64_t r, int lane) {
   const int64_t group = p.num_heads / p.kv_num_heads;
   const SeqlenInfo seq(p, b);
-  if (r >= seq.seqlen_q * group) return;  // past this sequence's rows (packed), or the grid's
   const int64_t i = r / group, h = g * group + r % group;
   Elem* out = static_cast<Elem*>(p.out) + seq.out_index(p, i, h);
   // The row's splits: those that hold one of its allowed keys [keys.begin, keys.end).
@@ -65,11 +61,11 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   // every partial is -inf, m_use = 0 keeps the weights 0 and the row gives 0/0 = NaN, lse -inf,
   // as the one-pass kernel does for a row whose every score is -inf.
   float mx = -INFINITY;
-  for (int s = lane; s < splits; s += 32) mx = max_nan(mx, lse_part[s * rows_pad]);
+  for (int s = lane; s < splits; s += 32) mx = max_nan(mx, __ldcg(lse_part + s * rows_pad));
   mx = warp_reduce<true>(mx);
   const float m_use = mx == -INFINITY ? 0.0f : mx;
   float sum = 0.0f;
-  for (int s = lane; s < splits; s += 32) sum += exp2_approx(lse_part[s * rows_pad] - m_use);
+  for (int s = lane; s < splits; s += 32) sum += exp2_approx(__ldcg(lse_part + s * rows_pad) - m_use);
   sum = warp_reduce<false>(sum);
 
   constexpr int kCols = kHeadDim / 32;  // columns lane, lane + 32, ... of this lane
@@ -78,11 +74,11 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
   for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
 #pragma unroll 4
   for (int s = 0; s < splits; ++s) {
-    const float wgt = exp2_approx(lse_part[s * rows_pad] - m_use);
+    const float wgt = exp2_approx(__ldcg(lse_part + s * rows_pad) - m_use);
     const float* o_s = o_part + int64_t(s) * rows_pad * p.head_dim_v;
 #pragma unroll
     for (int c = 0; c < kCols; ++c)
-      if (lane + 32 * c < p.head_dim_v) acc[c] += wgt * o_s[lane + 32 * c];
+      if (lane + 32 * c < p.head_dim_v) acc[c] += wgt * __ldcg(o_s + lane + 32 * c);
   }
 
   // The splits' partials are normalized, so the row's (m, l) in base 2 is (mx, sum) and its

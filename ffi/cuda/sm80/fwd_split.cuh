@@ -8,10 +8,12 @@
 // block each warp is its own mainloop team (mainloop.h): warp w takes tiles w, w + 4, ...
 // through a private two-stage cp.async ring, with Q held in registers. The four warps' softmax
 // states are merged in shared memory, and the block writes a normalized fp32 partial output
-// and a base-2 lse (layout: sm80/split_layout.h). fwd_combine_kernel then merges the splits
-// of each row in a fixed order: deterministic, and since split_keys is a constant, independent
-// of the batch. kPaged: the keys are a paged cache's (params.h), read in place through the block
-// table (mainloop.h, KvSource).
+// and a base-2 lse (layout: sm80/split_layout.h), then counts itself on its row block's
+// counter; the last of the row block's splits to arrive merges the splits of each of its rows
+// in a fixed order (fwd_combine.cuh, combine_row): deterministic, and since split_keys is a
+// constant, independent of the batch. (A separate merge kernel took 9.9 us of decode-paged's
+// 232, H100, benchmarks/NOTES.md, session 2026-12-07 m.) kPaged: the keys are a paged cache's
+// (params.h), read in place through the block table (mainloop.h, KvSource).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -76,8 +78,20 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
   const int64_t first_tile = blk.min_first / Tr::kBlockN * Tr::kBlockN;
   const int64_t key_begin = first_tile > split_begin ? first_tile : split_begin;
   const int64_t key_end = blk.max_limit < split_end ? blk.max_limit : split_end;
-  if (key_begin >= key_end) return;  // no key of this row block in the split: never merged
+  // The row block's splits with a key: those that meet [first_tile, max_limit). They all
+  // arrive on the counter, and the last one merges; with none, split 0 merges (every row of
+  // the block is empty: zeros, lse -inf or the sink's logit).
+  const int splits_here = first_tile < blk.max_limit
+      ? int((blk.max_limit + p.split_keys - 1) / p.split_keys - first_tile / p.split_keys) : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  auto merge_rows = [&] {  // warp w merges the block's rows w, w + kWarps, ...
+    for (int64_t r = blk.row_begin + warp; r < blk.row_end; r += Tr::kWarps)
+      combine_row<Elem, kHeadDim>(p, b, g, r, lane);
+  };
+  if (key_begin >= key_end) {  // no key of this row block in the split: no partial, no arrival
+    if (split == 0 && splits_here == 0) merge_rows();
+    return;
+  }
 
   // Q tile: packed rows -> (query position, head), zeros past the last row and past head_dim.
   const Elem* q = static_cast<const Elem*>(p.q);
@@ -160,13 +174,25 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
     o_part[int64_t(row) * p.head_dim_v + col] = sum == 0.0f ? 0.0f : o / sum;
     if (col == 0) lse_part[row] = mx + log2f(sum);
   }
+
+  // Arrive: the partial is written (each thread's stores visible GPU-wide before the count, as
+  // in CUDA's threadFenceReduction sample); the block that counts last merges the row block.
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(split_counter(p, b, g, rb), 1) == splits_here - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other splits' partials are read after their counts
+  merge_rows();
 }
 
 template <typename Elem, int kHeadDim, typename Tr>
 cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t group = p.num_heads / p.kv_num_heads;
   const int64_t row_blocks = rows_padded(p) / Tr::kRows;
-  const dim3 grid(unsigned(max_splits(p)), unsigned(p.kv_num_heads * row_blocks), unsigned(p.batch));
+  // At least one split: with no key at all (Skv = 0) split 0 still writes the empty rows.
+  const int64_t splits = max_splits(p);
+  const dim3 grid(unsigned(splits > 0 ? splits : 1), unsigned(p.kv_num_heads * row_blocks), unsigned(p.batch));
   const bool paged = p.block_table != nullptr;
   auto kernel = p.softcap > 0.0f ? (paged ? fwd_split_kernel<Elem, kHeadDim, true, true, Tr>
                                           : fwd_split_kernel<Elem, kHeadDim, true, false, Tr>)
@@ -174,11 +200,11 @@ cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
                                           : fwd_split_kernel<Elem, kHeadDim, false, false, Tr>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes));
   if (err != cudaSuccess) return err;
-  if (grid.x > 0) kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);  // Skv = 0: merge only
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  const dim3 combine_grid(unsigned((p.seqlen_q * group + kCombineWarps - 1) / kCombineWarps), unsigned(p.kv_num_heads),
-                          unsigned(p.batch));
-  fwd_combine_kernel<Elem, kHeadDim><<<combine_grid, 32 * kCombineWarps, 0, stream>>>(p);
+  if (splits > 0) {  // the row blocks' arrival counters start at 0 (none without a partial)
+    err = cudaMemsetAsync(split_counter(p, 0, 0, 0), 0, size_t(split_counters(p)) * sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (grid.y > 0 && grid.z > 0) kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

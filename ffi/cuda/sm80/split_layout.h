@@ -1,6 +1,7 @@
 // The split-KV workspace (layout in params.h, sizes in plan/limits.h): the index of one partial,
-// which the split kernel writes and the combine kernel reads. Its size is the plan's
-// (plan/plan.h), which the handler checks against the buffer XLA allocated.
+// which a split block writes and its row block's last block reads (fwd_split.cuh), and of
+// each row block's arrival counter. Its size is the plan's (plan/plan.h), which the handler
+// checks against the buffer XLA allocated.
 #pragma once
 
 #include "plan/limits.h"
@@ -25,6 +26,14 @@ JV_HOST_DEVICE int64_t split_partial(const AttentionParams& p, int64_t b, int64_
 JV_HOST_DEVICE float* split_o_part(const AttentionParams& p) { return p.workspace; }
 JV_HOST_DEVICE float* split_lse_part(const AttentionParams& p) {
   return p.workspace + split_partials(p) * p.head_dim_v;
+}
+// Arrival counters, one per (sequence, kv head, kSplitRowBlock-row block of packed rows).
+JV_HOST_DEVICE int64_t split_counters(const AttentionParams& p) {
+  return p.batch * split_counters_per_seq(p.seqlen_q, p.num_heads, p.kv_num_heads);
+}
+JV_HOST_DEVICE int* split_counter(const AttentionParams& p, int64_t b, int64_t g, int64_t row_block) {
+  int* counters = reinterpret_cast<int*>(split_lse_part(p) + split_partials(p));
+  return counters + (b * p.kv_num_heads + g) * (rows_padded(p) / kSplitRowBlock) + row_block;
 }
 
 }  // namespace jax_varlen::cuda
