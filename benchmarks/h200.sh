@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [dprefetch] [prefetch] [plain]
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [plain]
 #                           [sweep] [sinks] [ab] [ncu] [cmd]
 #   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
@@ -9,10 +9,7 @@
 # eight and prefill-right-padded; bf16, plus f16 of d128-full and d128-skewed), jax_varlen /
 # cuDNN / FA3 / XLA and the packed pair; train = train + bwd records (jax_varlen / cuDNN / FA3
 # and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; chunks = the decode
-# shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); dprefetch = the
-# decode shapes at each split-KV L2 prefetch distance of DPREFETCHES ("0 2 4", DPREFETCH_S 150
-# s); prefetch = the Hopper forward's L2 prefetch distances PREFETCHES ("0 2 4") on
-# PREFETCH_SHAPES (mixed-serve, docs-causal, d128-full; packed impls; PREFETCH_S 100 s); plain = the Hopper forward's plain-tile
+# shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); plain = the Hopper forward's plain-tile
 # loop off and on (JAX_VARLEN_FWD_PLAIN) on PLAIN_SHAPES (docs-causal, docs-causal-d64,
 # mixed-serve, d128-causal-skewed, d128-full, d128-skewed; PLAIN_S 100 s); sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
@@ -143,9 +140,6 @@ for stage in $STAGES; do
     chunks) L=$(limit "${CHUNKS_S:-150}") || { echo "chunks: skipped (time)"; continue; }
       # The split-KV chunk (JAX_VARLEN_SPLIT_KEYS, plan.h: one constant per process).
       decode_knob chunk JAX_VARLEN_SPLIT_KEYS "${CHUNKS:-1024 2048 4096}" ;;
-    dprefetch) L=$(limit "${DPREFETCH_S:-150}") || { echo "dprefetch: skipped (time)"; continue; }
-      # The split-KV kernel's L2 prefetch distance (JAX_VARLEN_FWD_PREFETCH, plan.h).
-      decode_knob dprefetch JAX_VARLEN_FWD_PREFETCH "${DPREFETCHES:-0 2 4}" ;;
     sinks) L=$(limit "${SINKS_S:-120}") || { echo "sinks: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/sinks_cost.py" --out "$OUT" >"$OUT/sinks.log" 2>&1
       tail -5 "$OUT/sinks.log" ;;
@@ -193,18 +187,13 @@ for stage in $STAGES; do
     sweep) L=$(limit "${SWEEP_S:-240}") || { echo "sweep: skipped (time)"; continue; }
       timeout "$L" python3 "$R/benchmarks/decode_sweep.py" --out "$OUT" \
         --budget-s $((L - 30)) 2>&1 | tee "$OUT/decode_sweep.log" | tail -24 ;;
-    prefetch) L=$(limit "${PREFETCH_S:-100}") || { echo "prefetch: skipped (time)"; continue; }
-      # The Hopper forward's L2 prefetch distance (JAX_VARLEN_FWD_PREFETCH, plan.h: read per
-      # call) on PREFETCH_SHAPES, each distance of PREFETCHES.
-      knob prefetch JAX_VARLEN_FWD_PREFETCH "${PREFETCHES:-0 2 4}" "${PREFETCH_SHAPES:-mixed-serve,docs-causal,d128-full}" \
-        jax_varlen_packed jax_varlen_packed,fa3_packed,dew3_packed ;;
     plain) L=$(limit "${PLAIN_S:-100}") || { echo "plain: skipped (time)"; continue; }
       # The Hopper forward's loop of plain tiles (JAX_VARLEN_FWD_PLAIN, plan.h) off and on.
       knob plain JAX_VARLEN_FWD_PLAIN "0 1" "${PLAIN_SHAPES:-docs-causal,docs-causal-d64,mixed-serve,d128-causal-skewed,d128-full,d128-skewed}" \
         jax_varlen,jax_varlen_packed jax_varlen,jax_varlen_packed,fa3_packed,fa3,dew3 ;;
     cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
       R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
-    *) echo "unknown stage $stage (tests bench train decode chunks dprefetch prefetch plain sweep sinks ab ncu cmd)"; continue ;;
+    *) echo "unknown stage $stage (tests bench train decode chunks plain sweep sinks ab ncu cmd)"; continue ;;
   esac
   echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done

@@ -126,27 +126,6 @@ def test_lean_units(layout):
         check_against_oracle(q, k, v, n, nonpad_q_seqlen=n_q, is_causal=True)
 
 
-@pytest.mark.parametrize("ahead", [1, 3, 8])
-def test_prefetch_changes_no_bit(monkeypatch, ahead):
-    """The forward producer's L2 prefetch (JAX_VARLEN_FWD_PREFETCH, plan.h): the launch says it
-    ran; out and lse bitwise those without it (a prefetch moves no data into shared memory), on
-    a packed serving step (pack-GQA decode units of long keys beside chunks) and a padded
-    causal batch with units shorter than the distance."""
-    _hopper()
-    make, args = _packed_causal_step([1, 700, 3, 1, 60, 2, 129, 1] * 3, seed=37, max_history=5000)
-    q, k, v, n = make_inputs(3, 700, 900, 8, 2, 128, 128, jnp.bfloat16, [900, 400, 133], seed=41)
-    padded = lambda: jax.jit(lambda *a: jax_varlen.attention(*a, return_lse=True, is_causal=True))  # noqa: E731
-    for mk, a in ((make, args), (padded, (q, k, v, n))):
-        monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", "0")
-        base = mk()(*a)
-        assert jax_varlen._ffi.extension().last_launch()["fwd_prefetch_tiles"] == 0
-        monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", str(ahead))
-        out, lse = mk()(*a)
-        assert jax_varlen._ffi.extension().last_launch()["fwd_prefetch_tiles"] == ahead
-        assert bits(out) == bits(base[0]) and bits(lse) == bits(base[1])
-    check_against_oracle(q, k, v, n, is_causal=True)
-
-
 def _switch_case(layout, seed):
     """(make, args, oracle) of one layout of test_plain_tiles_change_no_bit: make() builds the
     jitted call returning (out, lse); oracle() checks a padded layout against the reference.

@@ -77,36 +77,6 @@ def test_split_chunk_knob(monkeypatch):
         assert got["fwd_workspace_per_pack"] == 2 * chunks * 16 * (128 + 1) + 2, value
 
 
-def test_forward_prefetch_knob(monkeypatch):
-    """JAX_VARLEN_FWD_PREFETCH (a benchmark knob) sets the forward's L2 prefetch distance to
-    0..8 key tiles on the split-KV kernel (any device) and on the unpaged calls the Hopper
-    forward takes; any other value keeps the path's default; the sm80 one-pass kernel and paged
-    Hopper calls get 0. It sizes no workspace."""
-    values = (("0", 0), ("3", 3), ("8", 8), ("9", None), ("-1", None), ("2x", None), ("", None))
-    cases = [dict(Sq=4, compute_major=8), dict(Sq=4, compute_major=9), dict(Sq=1, page_size=64)]
-    if _ffi.extension().with_sm90:
-        cases.append(dict(Sq=300, compute_major=9))
-    for case in cases:
-        monkeypatch.delenv("JAX_VARLEN_FWD_PREFETCH", raising=False)
-        default = plan(**case)
-        assert default["fwd_path"] in ("sm80_split", "sm90_one_pass"), case
-        assert 0 <= default["fwd_prefetch_tiles"] <= 8, case
-        for value, want in values:
-            monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", value)
-            got = plan(**case)
-            assert got["fwd_prefetch_tiles"] == (default["fwd_prefetch_tiles"] if want is None else want), (case, value)
-            assert workspaces(got) == workspaces(default), (case, value)
-    monkeypatch.setenv("JAX_VARLEN_FWD_PREFETCH", "3")
-    one_pass = plan(Sq=300, compute_major=8)
-    assert one_pass["fwd_path"] == "sm80_one_pass" and one_pass["fwd_prefetch_tiles"] == 0
-    if not _ffi.extension().with_sm90:
-        assert plan(Sq=300, compute_major=9)["fwd_prefetch_tiles"] == 0
-        return
-    monkeypatch.setenv("JAX_VARLEN_PAGED_SM90", "1")
-    paged = plan(Sq=300, compute_major=9, page_size=64)
-    assert paged["fwd_path"] == "sm90_one_pass" and paged["fwd_prefetch_tiles"] == 0
-
-
 def test_forward_plain_tiles_knob(monkeypatch):
     """JAX_VARLEN_FWD_PLAIN (a benchmark knob) turns the Hopper forward's loop of plain tiles on (1)
     or off (0); any other value keeps the default; it sizes no workspace. Only unpaged one-pass

@@ -114,9 +114,6 @@ struct AttentionParams {
   // Lean units (the plan sets it, plan/plan.h; with dynamic_units): the Hopper forward's lean
   // kernels, compiled for the traits of limits.h's fwd_sm90_lean_kernels alone.
   bool lean_units = false;
-  // The Hopper forward producer's L2 prefetch distance in key tiles (the plan sets it:
-  // limits.h, kFwdPrefetchTiles; 0 = none).
-  int fwd_prefetch_tiles = 0;
   // The unpaged Hopper kernels' loop of plain tiles (the plan sets it: limits.h, kFwdPlainTiles;
   // the softcap kernels have none).
   bool fwd_plain_tiles = false;

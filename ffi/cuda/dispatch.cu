@@ -125,7 +125,6 @@ std::atomic<int64_t> last_split_keys{0};
 std::atomic<bool> last_paged{false}, last_pack_gqa{false}, last_dynamic_units{false};
 std::atomic<int> last_fwd_block_n{0};
 std::atomic<bool> last_lean_units{false};
-std::atomic<int> last_fwd_prefetch_tiles{0};
 std::atomic<bool> last_fwd_plain_tiles{false};
 }  // namespace
 
@@ -139,7 +138,6 @@ LaunchRecord last_launch() {
   r.dynamic_units = last_dynamic_units.load(std::memory_order_relaxed);
   r.fwd_block_n = last_fwd_block_n.load(std::memory_order_relaxed);
   r.lean_units = last_lean_units.load(std::memory_order_relaxed);
-  r.fwd_prefetch_tiles = last_fwd_prefetch_tiles.load(std::memory_order_relaxed);
   r.fwd_plain_tiles = last_fwd_plain_tiles.load(std::memory_order_relaxed);
   return r;
 }
@@ -173,8 +171,6 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   last_dynamic_units.store(path == FwdPath::kSm90OnePass && p.dynamic_units, std::memory_order_relaxed);
   last_fwd_block_n.store(path == FwdPath::kSm90OnePass ? p.fwd_block_n : 0, std::memory_order_relaxed);
   last_lean_units.store(path == FwdPath::kSm90OnePass && p.lean_units, std::memory_order_relaxed);
-  last_fwd_prefetch_tiles.store(path == FwdPath::kSm90OnePass || path == FwdPath::kSm80Split ? p.fwd_prefetch_tiles : 0,
-                                std::memory_order_relaxed);
   // The plain loop runs where the plan turns it on, in the kernels without softcap, for a
   // positive scale (fwd_softmax.h: the max on raw scores).
   last_fwd_plain_tiles.store(path == FwdPath::kSm90OnePass && p.fwd_plain_tiles && !(p.softcap > 0.0f) && p.scale > 0.0f,

@@ -18,7 +18,6 @@ struct LaunchRecord {
   bool dynamic_units = false;  // the Hopper forward took its units from a counter
   int fwd_block_n = 0;  // the Hopper forward's keys per tile (0: another path)
   bool lean_units = false;  // the Hopper forward ran its lean kernel (Plan::lean_units)
-  int fwd_prefetch_tiles = 0;  // the forward's L2 prefetch distance, split-KV or Hopper (Plan::fwd_prefetch_tiles)
   bool fwd_plain_tiles = false;  // the Hopper forward ran its plain-tile loop (Plan::fwd_plain_tiles, no softcap)
 };
 LaunchRecord last_launch();

@@ -20,12 +20,6 @@ constexpr int kMaxHeadDim = kHeadDimBuckets[kNumHeadDimBuckets - 1];
 // derived from the batch, so a sequence's result does not depend on its batch-mates.
 constexpr int kSplitMaxSeqlenQ = 16;
 constexpr int kSplitKeys = 1024;
-// Its L2 prefetch distance (the plan's fwd_prefetch_tiles on this path): each warp asks the L2
-// for the K and V rows of the key tile this many tiles past the last one its ring has issued
-// (sm80/mainloop.h), for more bytes in flight per SM than the rings hold. 0: none -- 4 made
-// decode-paged 1.45x slower on an H100 (4 tiles x 12 warps x 132 SMs x 8 KB is the whole L2;
-// shorter distances not yet timed; JAX_VARLEN_FWD_PREFETCH=n sets it, benchmarks/NOTES.md).
-constexpr int kSplitPrefetchTiles = 0;
 // Its workspace (layout: params.h, indices: sm80/split_layout.h) holds one partial per
 // (sequence, kv head, split, packed row), the packed rows (seqlen_q * group, group = num_heads /
 // kv_num_heads) rounded up to whole kSplitRowBlock-row blocks: the split kernel's MMA tile.
@@ -71,14 +65,6 @@ constexpr int fwd_sm90_block_n(int bucket, bool banded) {
 // sm90/fwd_sm90.cuh) exist for bucket and block_n: the others (d128 at 176 keys, d256) would
 // spill inside the mainloop with the idle path (benchmarks/NOTES.md).
 constexpr bool fwd_sm90_lean_kernels(int bucket, int block_n) { return bucket <= 128 && block_n <= 128; }
-// Its producer's L2 prefetch distance (the plan's fwd_prefetch_tiles): while it loads key tile
-// t of a unit into shared memory it asks the L2 for the K and V tiles kFwdPrefetchTiles further
-// along (cp.async.bulk.prefetch), so a unit that streams keys faster than it computes on them
-// (a decode row's: a few real query rows per tile) has more bytes in flight than its two
-// shared-memory stages hold. 0: none (not yet measured on a GPU; JAX_VARLEN_FWD_PREFETCH=n
-// sets it per process, benchmarks/NOTES.md).
-constexpr int kFwdPrefetchTiles = 0;
-constexpr int kFwdMaxPrefetchTiles = 8;
 // Whether the unpaged kernels run the tiles that need no mask in a loop of their own without a
 // branch (the plan's fwd_plain_tiles; sm90/fwd_mma.h, FwdMma::mma): the same arithmetic, so
 // the same bits, with more of the softmax ahead of the wait on this warpgroup's P V in the SASS.

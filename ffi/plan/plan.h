@@ -79,10 +79,6 @@ struct Plan {
   // the producer decodes each unit once for the consumers, and a consumer warpgroup whose rows
   // all lie past a unit's only follows the barriers for it (sm90/fwd_sm90.cuh).
   bool lean_units = false;
-  // The forward's L2 prefetch distance in key tiles (0 = none): the split-KV kernel's
-  // (limits.h, kSplitPrefetchTiles), or the Hopper forward's (kFwdPrefetchTiles; unpaged calls
-  // only: a paged call's tiles are gathered by cp.async, page by page).
-  int fwd_prefetch_tiles = 0;
   // Plain tiles (limits.h, kFwdPlainTiles): the unpaged kernels of fwd_sm90_plain_kernels run
   // the tiles that need no mask in a loop without a branch; only with dynamic_units.
   bool fwd_plain_tiles = false;
@@ -127,12 +123,6 @@ inline long long int_setting(const char* name, long long lo, long long hi, long 
 // JAX_VARLEN_SPLIT_KEYS=n, a multiple of 128 in [128, 8192], sets the split-KV chunk (a
 // benchmark knob: the chunk stays one constant per process, so results stay batch invariant).
 inline int64_t split_keys_setting() { return int_setting("JAX_VARLEN_SPLIT_KEYS", 128, 8192, 128, cuda::kSplitKeys); }
-// JAX_VARLEN_FWD_PREFETCH=n, 0 <= n <= kFwdMaxPrefetchTiles, sets the forward's L2 prefetch
-// distance on the path that takes the call, else `fallback`, that path's default (a benchmark
-// knob; it moves no bit: prefetches change no value).
-inline int fwd_prefetch_setting(int fallback) {
-  return int(int_setting("JAX_VARLEN_FWD_PREFETCH", 0, cuda::kFwdMaxPrefetchTiles, 1, fallback));
-}
 
 // Workspaces are sized from the static shapes alone, never from the device or the build: the
 // lowering cannot see the device, and an exported call may run on any build. A device or build
@@ -200,14 +190,12 @@ inline Plan make_plan(const PlanInputs& in) {
   else if (plan.split_keys > 0) plan.fwd_path = FwdPath::kSm80Split;
   else if (hopper && sm90_extents) plan.fwd_path = FwdPath::kSm90OnePass;
   else plan.fwd_path = FwdPath::kSm80OnePass;
-  if (plan.fwd_path == FwdPath::kSm80Split) plan.fwd_prefetch_tiles = fwd_prefetch_setting(c::kSplitPrefetchTiles);
   plan.pack_gqa = plan.fwd_path == FwdPath::kSm90OnePass && in.num_heads > in.kv_num_heads && pack_gqa_enabled();
   plan.dynamic_units = plan.fwd_path == FwdPath::kSm90OnePass && in.page_size == 0;
   if (plan.fwd_path == FwdPath::kSm90OnePass) {
     const bool banded = in.is_causal || in.window_left >= 0 || in.window_right >= 0;
     plan.fwd_block_n = c::fwd_sm90_block_n(bucket, banded && in.page_size == 0);
     plan.lean_units = plan.dynamic_units && c::fwd_sm90_lean_kernels(bucket, plan.fwd_block_n);
-    plan.fwd_prefetch_tiles = in.page_size == 0 ? fwd_prefetch_setting(c::kFwdPrefetchTiles) : 0;
     plan.fwd_plain_tiles = plan.dynamic_units && c::fwd_sm90_plain_kernels(bucket) && fwd_plain_enabled();
   }
 

@@ -123,7 +123,6 @@ NB_MODULE(_jax_varlen, m) {
         d["pack_gqa"] = plan.pack_gqa;                  // Hopper forward: query heads packed (JAX_VARLEN_PACK_GQA)
         d["fwd_block_n"] = plan.fwd_block_n;            // Hopper forward: keys per tile (0: another path)
         d["lean_units"] = plan.lean_units;              // Hopper forward: lean units (limits.h)
-        d["fwd_prefetch_tiles"] = plan.fwd_prefetch_tiles;  // split-KV or Hopper forward: L2 prefetch distance
         d["fwd_plain_tiles"] = plan.fwd_plain_tiles;        // Hopper forward: the plain-tile loop
         d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
         d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
@@ -149,7 +148,6 @@ NB_MODULE(_jax_varlen, m) {
     d["dynamic_units"] = r.dynamic_units;  // the Hopper forward's units came from a counter
     d["fwd_block_n"] = r.fwd_block_n;  // the Hopper forward's keys per tile (0: another path)
     d["lean_units"] = r.lean_units;  // the Hopper forward ran its lean kernel
-    d["fwd_prefetch_tiles"] = r.fwd_prefetch_tiles;  // the split-KV or Hopper forward's L2 prefetch distance
     d["fwd_plain_tiles"] = r.fwd_plain_tiles;  // the Hopper forward ran its plain-tile loop
     return d;
 #else

@@ -52,7 +52,6 @@ ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
   p.dynamic_units = plan->dynamic_units;
   p.fwd_block_n = plan->fwd_block_n;
   p.lean_units = plan->lean_units;
-  p.fwd_prefetch_tiles = plan->fwd_prefetch_tiles;
   p.fwd_plain_tiles = plan->fwd_plain_tiles;
   if (p.num_packs * p.pack_rows_q == 0 || p.num_heads == 0) return ffi::Error::Success();  // no output
   const cudaError_t err = cuda::run_fwd(p, *plan, stream);

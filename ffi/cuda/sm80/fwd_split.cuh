@@ -46,7 +46,7 @@ struct SplitTraits {
   static constexpr int kMinBlocksPerSm = kHeadDim <= 128 ? 3 : 1;
   // Each warp is a team with a two-stage ring, Q in registers.
   using Mainloop = MainloopTraits<kHeadDim, /*kMTiles=*/1, kBlockN, /*kKeyStep=*/kWarps * kBlockN, /*kStages=*/2,
-                                  /*kTeamThreads=*/32, /*kQInRegisters=*/true, /*kL2Prefetch=*/true>;
+                                  /*kTeamThreads=*/32, /*kQInRegisters=*/true>;
   // sQ [kRows, kHeadDim] 16-bit, then the warps' rings. After the loop the ring area holds the
   // warps' states: o [kWarps, kRows, kHeadDim] fp32, m and l [kWarps, kRows] fp32.
   static constexpr size_t kRingsBytes = size_t(kWarps) * Mainloop::kRingBytes;
@@ -118,8 +118,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
   const int min_limit = int(blk.min_limit < key_end ? blk.min_limit : key_end);
 
   const KvSource<Elem, kPaged> kv{p, kPaged ? b : seq.k_offset, int(g)};  // paged: the block table's row b
-  // warp w: tiles w, w + 4, ...; L2 prefetch distance from the plan (limits.h, kSplitPrefetchTiles)
-  const KeyTiles keys{int(key_begin) + warp * Tr::kBlockN, int(key_end), p.fwd_prefetch_tiles};
+  const KeyTiles keys{int(key_begin) + warp * Tr::kBlockN, int(key_end)};  // warp w: tiles w, w + 4, ...
   Accumulators<Ml> acc;
   mainloop<Ml, kSoftcap>(sQ, 0, rings + warp * (Ml::kRingBytes / sizeof(Elem)), kv, keys, first, limit, min_limit,
                          int(blk.max_first), ScoreScale(p.scale, p.softcap), acc);

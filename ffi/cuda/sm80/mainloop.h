@@ -19,10 +19,8 @@
 //   O += P V[t]
 // With S = 1: V[t] lands under QK^T of tile t, K[t + 1] under its PV. Tiles past the team's
 // last one commit empty groups, so the wait counts stay uniform (2S - 2 younger groups).
-// L2 prefetch (kL2Prefetch: the split-KV kernel, whose teams are warps streaming keys that a few
-// query rows use once): with keys.prefetch = d > 0, the team asks the L2 for the K and V rows of
-// tile t + S + d when it issues K[t + S] (tiles S .. S + d - 1 before the loop), so a warp has d
-// tiles more in flight than its ring holds; no value changes.
+// (An L2 prefetch of the tiles past a warp's ring made the split-KV kernel slower, as it did the
+// Hopper forward: benchmarks/NOTES.md, sessions 2026-12-07 l and m.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,7 +37,7 @@
 namespace jax_varlen::cuda::sm80 {
 
 template <int kHeadDim_, int kMTiles_, int kBlockN_, int kKeyStep_, int kStages_, int kTeamThreads_,
-          bool kQInRegisters_, bool kL2Prefetch_ = false>
+          bool kQInRegisters_>
 struct MainloopTraits {
   static constexpr int kHeadDim = kHeadDim_;            // bucket of max(D, Dv): 64, 128 or 256
   static constexpr int kMTiles = kMTiles_;              // 16-row MMA tiles per warp
@@ -48,8 +46,6 @@ struct MainloopTraits {
   static constexpr int kStages = kStages_;              // K/V tiles of a team in the ring
   static constexpr int kTeamThreads = kTeamThreads_;    // threads sharing a tile: 32 or the block
   static constexpr bool kQInRegisters = kQInRegisters_;
-  static constexpr bool kL2Prefetch = kL2Prefetch_;     // keys.prefetch is read (one-warp teams)
-  static_assert(!kL2Prefetch || kTeamThreads == 32);
   static constexpr int kTileElems = kBlockN * kHeadDim;
   // One team's ring: kStages x (K tile, V tile), each [kBlockN, kHeadDim] 16-bit, swizzled.
   static constexpr size_t kRingBytes = size_t(kStages) * 2 * kTileElems * 2;
@@ -84,10 +80,8 @@ struct KvSource {
 
 // The key tiles of a team: keys [n0, n0 + kBlockN) for n0 = first, first + kKeyStep, ... < end;
 // keys at or past `end` are zero-filled (never read) and must be masked by the row limits.
-// prefetch: the L2 prefetch distance in tiles (Ml::kL2Prefetch only; 0: none).
 struct KeyTiles {
   int first, end;
-  int prefetch = 0;
 };
 
 // The softmax state of a warp's rows: o [16 * kMTiles, head_dim_v] fp32 accumulator fragments,
@@ -158,31 +152,11 @@ __device__ __forceinline__ void mainloop(const Elem* sQ, int q_row0, Elem* ring,
     cp_async_commit();
   };
 
-  // Tile n0's K and V rows into the L2: a row per lane (2 kBlockN <= 32 rows at d128 and d256's
-  // 16-key tiles, two rounds at d64's 32), each line of it.
-  auto prefetch = [&](int n0) {
-    if constexpr (Ml::kL2Prefetch) {
-#pragma unroll
-      for (int r = lane; r < 2 * kBlockN; r += 32) {
-        const int key = n0 + r % kBlockN;
-        if (key >= keys.end) continue;
-        const bool is_v = r >= kBlockN;
-        const char* row = reinterpret_cast<const char*>(is_v ? kv.v(key) : kv.k(key));
-        const int bytes = int(is_v ? kv.p.head_dim_v : kv.p.head_dim) * int(sizeof(Elem));
-        const uintptr_t first_line = reinterpret_cast<uintptr_t>(row) & ~uintptr_t(127);
-        for (uintptr_t line = first_line; line < reinterpret_cast<uintptr_t>(row) + bytes; line += 128)
-          prefetch_l2(reinterpret_cast<const void*>(line));
-      }
-    }
-  };
-
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
     load_k(s, keys.first + s * Ml::kKeyStep);
     if (s + 1 < kStages) load_v(s, keys.first + s * Ml::kKeyStep);
   }
-  if constexpr (Ml::kL2Prefetch)
-    for (int d = 0; d < keys.prefetch; ++d) prefetch(keys.first + (kStages + d) * Ml::kKeyStep);
 
   // Q as MMA A fragments for the whole loop, when they live in registers: the Q group is older
   // than the 2S - 1 groups just committed.
@@ -256,8 +230,6 @@ __device__ __forceinline__ void mainloop(const Elem* sQ, int q_row0, Elem* ring,
     cp_async_wait<2 * kStages - 2>();
     team_sync<Ml>();  // V[t] landed; the team is done with K[t]
     load_k(t % kStages, n0 + kStages * Ml::kKeyStep);
-    if constexpr (Ml::kL2Prefetch)
-      if (keys.prefetch > 0) prefetch(n0 + (kStages + keys.prefetch) * Ml::kKeyStep);
 
     // o += P V[t]: P's accumulator fragments are reused as A operands (16 keys per step).
     const Elem* sV = v_tile(t % kStages);

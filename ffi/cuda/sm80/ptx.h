@@ -23,9 +23,6 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 4 : 0));
 }
-// Asks the L2 for the 128-byte line holding p (a hint: no data moves into registers or shared
-// memory, so no value can change).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 // Waits until at most kPending of this thread's committed groups are still in flight.

@@ -189,21 +189,10 @@ struct FwdLoad {
     if (leader) Barrier::arrive(&ss.full_q);
   }
 
-  // Asks the L2 for K and V tile t of unit w (unpaged; lane 0 of warp 0): nothing lands in
-  // shared memory and no barrier is involved, so a later load_tile of t finds it in the L2.
-  __device__ __forceinline__ void prefetch_tile(const Unit& w, int t) const {
-    if (!leader || t < w.t_begin) return;
-    const int g = w.h / group;
-    cute::prefetch(kp.tma_k, tma_k.partition_S(local_tile(domain_offset(make_coord(w.k_start, 0), mK(_, _, g, w.pack)),
-                                                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t, 0))));
-    cute::prefetch(kp.tma_v, tma_v.partition_S(local_tile(domain_offset(make_coord(0, w.k_start), mVt(_, _, g, w.pack)),
-                                                          Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, t))));
-  }
-
   // The copies of unit w (n_tiles > 0), by every producer warp that runs (warp 0 alone unless
   // paged: then all kProducerWarps, warp 0 also loading Q). pipe: the producer's place in the K
-  // and V rings; q_iter: the Q tiles loaded so far. Unpaged, tiles are prefetched into the L2
-  // p.fwd_prefetch_tiles ahead of the shared-memory loads (0: none).
+  // and V rings; q_iter: the Q tiles loaded so far. (An L2 prefetch of the tiles 1-2 ahead of
+  // these loads made mixed-serve 6-10% slower: benchmarks/NOTES.md, session 2026-12-07 m.)
   __device__ __forceinline__ void load(const Unit& w, PipelineState<Tr::kStages>& pipe, int& q_iter) {
     // Q, once the consumers are done with the previous unit's.
     const bool q_warp = !kPaged || warp == 0;  // only warp 0 runs unless paged
@@ -222,14 +211,11 @@ struct FwdLoad {
     // K[t] then V[t + 1] (the consumers use V one step behind K), from the last tile down to
     // t_begin; a packed Q is completed after the first K copy is on its way.
     int t = w.n_tiles - 1;
-    const int ahead = kPaged ? 0 : kp.p.fwd_prefetch_tiles;  // tiles t - 1 .. t - ahead asked for
-    for (int j = 1; j <= ahead; ++j) prefetch_tile(w, t - j);
     Barrier::wait(&ss.empty_k[pipe.stage], pipe.phase ^ 1);
     load_tile<false>(w, t, pipe.stage);
     if (q_warp && w.heads > 1) finish_q_packed();
     for (; t > w.t_begin; --t) {
       const int stage_v = pipe.stage, phase_v = pipe.phase;
-      if (ahead > 0) prefetch_tile(w, t - 1 - ahead);
       pipe.advance();
       Barrier::wait(&ss.empty_k[pipe.stage], pipe.phase ^ 1);
       load_tile<false>(w, t - 1, pipe.stage);
