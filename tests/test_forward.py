@@ -301,6 +301,35 @@ def test_int64_lengths(backend):
         assert bits(out[0]) == bits(ref[0]) and bits(out[1]) == bits(ref[1])
 
 
+# Traced int32 lengths reach the kernels as they are (jax_varlen._api.check_lengths: no clip in
+# XLA); every kernel clamps them into [0, Skv]. GPU: the split-KV path (Sq 4) and the one-pass
+# path (Sq 37: the Hopper forward on sm_90), with their backward, across a 1024-key split.
+TRACED_LENGTH_CASES = {
+    "cpu": {dt: (dt, (4, 9, 70, 4, 2, 16, 16)) for dt in DTYPES},
+    "gpu": {f"bf16-{path}": ("bf16", (4, Sq, 1100, 8, 2, 128, 128))
+            for path, Sq in (("split", 4), ("one-pass", 37))},
+}
+
+
+@backend_cases("case", TRACED_LENGTH_CASES)
+def test_out_of_range_traced_lengths_are_clamped(backend, case):
+    """Traced int32 lengths outside [0, Skv] (INT32_MAX, -1, Skv + 1, INT32_MIN) give bit for
+    bit the output, lse and gradients of the clamped ones (Skv, 0, Skv, 0)."""
+    dtype, (B, Sq, Skv, H, Hkv, D, Dv) = case
+    q, k, v, _ = make_inputs(B, Sq, Skv, H, Hkv, D, Dv, DTYPES[dtype], [Skv] * B, seed=23)
+    w = jnp.asarray(np.random.default_rng(5).standard_normal((B, Sq, H, Dv)), jnp.float32)
+
+    def loss(q, k, v, n):
+        return (jax_varlen.attention(q, k, v, n, is_causal=True).astype(jnp.float32) * w).sum()
+
+    fwd = jax.jit(lambda n: jax_varlen.attention(q, k, v, n, is_causal=True, return_lse=True))
+    grads = jax.jit(lambda n: jax.grad(loss, argnums=(0, 1, 2))(q, k, v, n))
+    bad = jnp.asarray([2**31 - 1, -1, Skv + 1, -2**31], jnp.int32)
+    good = jnp.asarray([Skv, 0, Skv, 0], jnp.int32)
+    assert [bits(x) for x in fwd(bad)] == [bits(x) for x in fwd(good)]
+    assert [bits(x) for x in grads(bad)] == [bits(x) for x in grads(good)]
+
+
 # --------------------------------------------------------------------------------------------
 # Scale, rank 3, lse.
 
