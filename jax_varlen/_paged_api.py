@@ -61,27 +61,24 @@ _QUERY_LAYOUT = {
 
 
 # --------------------------------------------------------------------------------------------
-# Clamping the indices, with their checkify report.
+# The indices' checkify report; clamping cu_seqlens_q.
 #
-# ``paged_inputs_p`` clamps the block table into [0, num_pages), seqlens_k into
-# [0, max_pages * page_size] and cu_seqlens_q (packed) into [0, Tq], non-decreasing. It exists
-# so that checkify can report what it clamps (_checkify.py: the rules live on primitives, so
-# plain jit programs carry no check effect and jax.export serializes them). With
-# ``kernel_clamps`` (the paged kernel takes the call) the table and seqlens_k pass through
-# unchanged: the kernel clamps each page index and length where it reads them (seqlen.h,
-# paged_key_row and SeqlenInfo), and two XLA fusions less are 5.4 us of a 232 us decode step
-# (H100, benchmarks/NOTES.md, session 2026-12-07 m). Operands lead with any number of vmapped
-# axes: block_table [..., B, max_pages], seqlens_k [..., B], cu_seqlens_q [..., B + 1].
+# ``paged_inputs_p`` carries the indices' checkify report (_checkify.py: the rules live on
+# primitives, so plain jit programs carry no check effect and jax.export serializes them). It
+# clamps only cu_seqlens_q (packed) into [0, Tq], non-decreasing (_pad_queries indexes with
+# it); the block table and seqlens_k pass through: every reader clamps them where it reads
+# them -- the paged kernel (seqlen.h, paged_key_row and SeqlenInfo), gather_pages and the
+# attention kernels --, and the two XLA fusions that clamped them here cost 5.4 us of a 232 us
+# decode step (H100, benchmarks/NOTES.md, session 2026-12-07 m). Operands lead with any number
+# of vmapped axes: block_table [..., B, max_pages], seqlens_k [..., B], cu_seqlens_q [..., B + 1].
 
 paged_inputs_p = Primitive("jax_varlen_paged_inputs")
 paged_inputs_p.multiple_results = True
 
 
-def _clamp(block_table, seqlens_k, *cu_seqlens_q, num_pages, extent, rows, max_seqlen_q,
-           kernel_clamps):
-    del max_seqlen_q  # checked, not clamped here (the scatter clips each sequence to it)
-    clamped = ([block_table, seqlens_k] if kernel_clamps else
-               [jnp.clip(block_table, 0, num_pages - 1), jnp.clip(seqlens_k, 0, extent)])
+def _clamp(block_table, seqlens_k, *cu_seqlens_q, num_pages, extent, rows, max_seqlen_q):
+    del num_pages, extent, max_seqlen_q  # checked, not clamped here (see above)
+    clamped = [block_table, seqlens_k]
     if cu_seqlens_q:
         clamped.append(jax.lax.cummax(jnp.clip(cu_seqlens_q[0], 0, rows),
                                       axis=cu_seqlens_q[0].ndim - 1))
@@ -103,9 +100,7 @@ def _batch_rule(operands, dims, **params):
 batching.primitive_batchers[paged_inputs_p] = _batch_rule
 
 
-def _checks(block_table, seqlens_k, *cu_seqlens_q, num_pages, extent, rows, max_seqlen_q,
-            kernel_clamps):
-    del kernel_clamps  # the same checks whoever clamps
+def _checks(block_table, seqlens_k, *cu_seqlens_q, num_pages, extent, rows, max_seqlen_q):
     page_size = extent // block_table.shape[-1]
     checks = [_checkify.block_table_check(block_table, seqlens_k, num_pages, page_size),
               _checkify.lengths_check("seqlens_k", seqlens_k, extent, _EXTENT_NAME)]
@@ -267,7 +262,8 @@ def _compute(query, key_cache, value_cache, block_table, seqlens_k, *rest, packe
     its kernel takes the call (``paged_attention`` asks the plan: ``_paged_primitive.takes``),
     which then reads the pages in place on the GPU; ``None``: the pages each sequence needs are
     gathered into dense keys and :func:`attention` runs on them. ``rest``: ``cu_seqlens_q``
-    (packed), then ``sinks`` (float32 ``[H]``, if any); clamped indices throughout."""
+    (packed, clamped), then ``sinks`` (float32 ``[H]``, if any); the table and lengths as
+    given, clamped where they are read (gather_pages, the kernels)."""
     rest = list(rest)
     sinks = rest.pop() if has_sinks else None
     Tq, B = query.shape[0], seqlens_k.shape[0]  # Tq: packed rows (packed form)
@@ -421,17 +417,8 @@ def paged_attention(
         max_q = _resolve_hint("max_seqlen_q", max_seqlen_q, query.shape[0], "Tq",
                               "cu_seqlens_q", cu)
         operands.append(cu)
-    # The paged kernel reads the pages in place when the plan takes the call (decode-like
-    # calls: padded queries, or packed ones with max_seqlen_q = 1, since the kernel has no
-    # per-sequence query counts); the rest gathers the pages each sequence needs.
-    H, Dv = query.shape[-2], value_cache.shape[-1]
-    nothing = packed and (query.shape[0] == 0 or max_q == 0 or batch == 0)
-    padded_shape = (batch, max_q) + query.shape[1:] if packed else query.shape
-    in_place = not nothing and (not packed or max_q == 1) and takes(
-        padded_shape, query.dtype, key_cache, value_cache, block_table.shape[1])
     operands = paged_inputs_p.bind(*operands, num_pages=num_pages, extent=extent,
-                                   rows=query.shape[0], max_seqlen_q=max_q,
-                                   kernel_clamps=in_place)
+                                   rows=query.shape[0], max_seqlen_q=max_q)
 
     # local_window_size and sinks reach attention only when given.
     attention_kw = dict(scale=scale, is_causal=is_causal, softcap=softcap)
@@ -439,10 +426,18 @@ def paged_attention(
         attention_kw["local_window_size"] = local_window_size
     if sinks is not None:
         operands.append(sinks)
-    if nothing:  # no query row belongs to a sequence: nothing to compute
+    H, Dv = query.shape[-2], value_cache.shape[-1]
+    if packed and (query.shape[0] == 0 or max_q == 0 or batch == 0):
+        # No query row belongs to a sequence: nothing to compute.
         out = jnp.zeros((query.shape[0], H, Dv), query.dtype)
         lse = jnp.full((H, query.shape[0]), -jnp.inf, jnp.float32)
     else:
+        # The paged kernel reads the pages in place when the plan takes the call (decode-like
+        # calls: padded queries, or packed ones with max_seqlen_q = 1, since the kernel has no
+        # per-sequence query counts); the rest gathers the pages each sequence needs.
+        padded_shape = (batch, max_q) + query.shape[1:] if packed else query.shape
+        in_place = (not packed or max_q == 1) and takes(padded_shape, query.dtype, key_cache,
+                                                        value_cache, block_table.shape[1])
         fn = functools.partial(_compute, packed=packed, max_seqlen_q=max_q,
                                has_sinks=sinks is not None, attention_kw=attention_kw,
                                config=config if in_place else None)

@@ -103,11 +103,13 @@ batching.primitive_batchers[paged_attention_fwd_p] = _batch_rule
 
 
 def gather_pages(cache, block_table):
-    """cache [num_pages, page_size, Hkv, D], block_table [B, max_pages] (in range) ->
+    """cache [num_pages, page_size, Hkv, D], block_table [B, max_pages] ->
     [B, max_pages * page_size, Hkv, D]: row j of sequence b is row j % page_size of page
-    block_table[b, j // page_size]. Worked example, page_size 2, block_table[b] = [5, 1]:
+    block_table[b, j // page_size], the entry clamped into [0, num_pages) as the paged kernel
+    clamps it (seqlen.h, paged_key_row). Worked example, page_size 2, block_table[b] = [5, 1]:
     keys 0, 1 are page 5's rows 0, 1 and keys 2, 3 page 1's."""
     B, max_pages = block_table.shape
+    block_table = jnp.clip(block_table, 0, cache.shape[0] - 1)
     pages = jnp.take(cache, block_table, axis=0)  # [B, max_pages, page_size, Hkv, D]
     return pages.reshape((B, max_pages * cache.shape[1]) + cache.shape[2:])
 
@@ -118,10 +120,6 @@ def _lower_cpu(ctx, query, key_cache, value_cache, seqlens_k, block_table, *, co
     out_aval, lse_aval = ctx.avals_out
 
     def compute(query, key_cache, value_cache, seqlens_k, block_table):
-        # The CUDA kernel clamps each page index where it reads it (seqlen.h, paged_key_row),
-        # so paged_attention passes the table unclamped: clamped here the same way (the padded
-        # target clamps the lengths itself).
-        block_table = jnp.clip(block_table, 0, key_cache.shape[0] - 1)
         key = gather_pages(key_cache, block_table)
         value = gather_pages(value_cache, block_table)
         call = jax.ffi.ffi_call(_ffi.CPU_TARGET, (out_aval, lse_aval))

@@ -443,7 +443,8 @@ def test_in_place_clamps_bad_indices(backend, vmapped):
     where it reads them (seqlen.h). A used table entry outside [0, num_pages) reads the page
     the clamped entry names -- under vmap, a page of its own element's cache, never a
     neighbour's -- and a length past the extent reads the extent, bit for bit as the clamped
-    inputs do. (checkify reports both: test_checkify_reports_bad_table_entries.)"""
+    inputs do. (checkify reports both: test_checkify_reports_bad_table_entries; the gather
+    path clamps the same way: gather_pages.)"""
     H, Hkv, D, ps, max_pages = 4, 2, 32, 16, 5
     calls = [_paged([70, 17, 0, 1], ps, max_pages, Hkv, D, D, jnp.bfloat16, seed=s, pad=0.5)
              for s in (1, 2)]
@@ -459,12 +460,11 @@ def test_in_place_clamps_bad_indices(backend, vmapped):
            for c in calls]
     clamped = [(c[2].at[0, 1].set(num_pages - 1).at[1, 0].set(0), c[3].at[3].set(max_pages * ps))
                for c in calls]
-    if vmapped:
-        stack = lambda i, tn: jnp.stack([x[i] if i < 2 else tn[e][i - 2]  # noqa: E731
-                                         for e, x in enumerate(calls)])
-        got = jax.jit(jax.vmap(f))(q, stack(0, None), stack(1, None), stack(2, bad),
-                                   stack(3, bad))
-        got = [(got[0][e], got[1][e]) for e in range(2)]
+    if vmapped:  # each element its own caches, table and lengths
+        kc, vc = (jnp.stack([c[i] for c in calls]) for i in (0, 1))
+        table, n = (jnp.stack([x[i] for x in bad]) for i in (0, 1))
+        out, lse = jax.jit(jax.vmap(f))(q, kc, vc, table, n)
+        got = [(out[e], lse[e]) for e in range(2)]
     else:
         got = [jax.jit(f)(q[e], *calls[e][:2], *bad[e]) for e in range(2)]
     for e in range(2):
