@@ -913,10 +913,10 @@ def main(argv=None):
                         if run_train_pass else [])
     names = list(dict.fromkeys(fwd_names + train_impl_names))
 
-    ours_wanted = report.OURS in names or OURS_PACKED in names
+    ours = (report.OURS, OURS_PACKED, OURS_PAGED)
+    ours_wanted = any(n in names for n in ours)
     jax_varlen, import_error = import_jax_varlen() if ours_wanted else (None, None)
-    import_errors = ({n: import_error for n in (report.OURS, OURS_PACKED) if n in names}
-                     if import_error else {})
+    import_errors = ({n: import_error for n in ours if n in names} if import_error else {})
     impls = build_impls(names, jax_varlen, import_errors)
 
     def subset(wanted):
