@@ -23,7 +23,6 @@
 
 #include "cuda/sm80/softmax.h"
 #include "cuda/sm80/split_layout.h"
-#include "cuda/sm80/split_order.h"
 #include "cuda/sm80/block_info.h"
 #include "plan/limits.h"
 #include "cuda/sm80/fwd_combine.cuh"
@@ -60,16 +59,15 @@ struct SplitTraits {
 
 template <typename Elem, int kHeadDim, bool kSoftcap, bool kPaged, typename Tr = SplitTraits<kHeadDim>>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
-    fwd_split_kernel(const __grid_constant__ AttentionParams p, SplitOrder order) {
+    fwd_split_kernel(const __grid_constant__ AttentionParams p) {
   using Ml = typename Tr::Mainloop;
   constexpr int kDT = kHeadDim / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   Elem* sQ = reinterpret_cast<Elem*>(smem);
   Elem* rings = sQ + Tr::kRows * kHeadDim;
 
-  const SplitBlock at = split_block<Tr::kThreads>(p, order);  // split_order.h
-  const int64_t split = at.split, g = at.head_rb % p.kv_num_heads, rb = at.head_rb / p.kv_num_heads;
-  const int64_t b = at.b;
+  const int64_t split = blockIdx.x, g = blockIdx.y % p.kv_num_heads, rb = blockIdx.y / p.kv_num_heads;
+  const int64_t b = blockIdx.z;
   const int64_t group = p.num_heads / p.kv_num_heads;
   const BlockInfo blk(p, b, rb, Tr::kRows);
   if (blk.past_end()) return;
@@ -205,13 +203,7 @@ cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
     err = cudaMemsetAsync(split_counter(p, 0, 0, 0), 0, size_t(split_counters(p)) * sizeof(int), stream);
     if (err != cudaSuccess) return err;
   }
-  // JAX_VARLEN_SPLIT_ORDER (split_order.h), an experiment: 0 rectangular (default), 1 longest
-  // first (batches of up to kMaxLongestFirstBatch sequences), 2 kv heads fastest.
-  const char* env = std::getenv("JAX_VARLEN_SPLIT_ORDER");
-  SplitOrder order = SplitOrder::kRectangular;
-  if (env != nullptr && env[0] == '1' && env[1] == '\0' && p.batch <= kMaxLongestFirstBatch) order = SplitOrder::kLongestFirst;
-  if (env != nullptr && env[0] == '2' && env[1] == '\0') order = SplitOrder::kHeadsFastest;
-  if (grid.y > 0 && grid.z > 0) kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
+  if (grid.y > 0 && grid.z > 0) kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
