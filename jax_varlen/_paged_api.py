@@ -11,12 +11,14 @@ Two ways to compute, chosen per call by the CUDA plan (ffi/plan/plan.h; ``_paged
   queries per sequence -- padded ``Sq``, or packed with ``max_seqlen_q = 1`` -- and a
   ``page_size`` multiple of 16) bind ``paged_attention_fwd_p``: on the GPU the split-KV kernel
   loads each key tile through the block table, so no page is copied and unused pages are never
-  read; on the CPU the primitive gathers the pages and runs the padded CPU kernel;
+  read; on the CPU the primitive gathers the pages and runs the padded CPU kernel. With
+  ``JAX_VARLEN_PAGED_SM90=1`` (opt-in) padded chunks of more than 16 queries bind it too, and
+  the Hopper forward's producer warps gather each key tile from the pages (cp.async; GPU tests
+  pass on an H100, but it measured 2.6x slower than gathering first, benchmarks/NOTES.md);
 - **gathered**: every other call copies the pages each sequence needs through the (clamped)
   block table into a padded ``[B, max_pages * page_size, Hkv, D]`` key and value and calls
   :func:`attention` with ``nonpad_kv_seqlen = seqlens_k``; packed queries are scattered into
-  ``[B, max_seqlen_q, H, D]`` with ``nonpad_q_seqlen`` and gathered back. (Chunked prefill
-  through the Hopper kernel's TMA is planned, issue 34 item 3.)
+  ``[B, max_seqlen_q, H, D]`` with ``nonpad_q_seqlen`` and gathered back.
 Both give the same results; the semantics do not depend on the way.
 """
 
@@ -331,7 +333,8 @@ def paged_attention(
     ``max_seqlen_q = 1`` -- and ``page_size`` a multiple of 16): the split-KV kernel loads each
     key tile through the block table. With ``JAX_VARLEN_PAGED_SM90=1`` padded chunks of more
     than 16 queries (chunked prefill) read them in place too, on the Hopper forward (its
-    producer warps gather each key tile's pages; not yet verified on a GPU). Other calls
+    producer warps gather each key tile's pages; GPU tests pass on an H100, but it measured
+    2.6x slower than gathering first, hence opt-in: benchmarks/NOTES.md). Other calls
     (longer query runs, other page sizes, float32) copy the pages each sequence needs into a
     padded
     ``[B, max_pages * page_size, Hkv, D]`` key and value and call :func:`attention`: their

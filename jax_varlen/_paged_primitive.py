@@ -1,20 +1,25 @@
 """The paged forward primitive: attention that reads a paged KV cache in place on the GPU.
 
-``paged_attention_fwd_p``, operands (``_paged_api`` checks and clamps them first):
+``paged_attention_fwd_p``, operands (``_paged_api`` checks them first; the table and lengths
+come as given, and every reader clamps them where it reads them: the kernels, gather_pages):
   query [B, Sq, H, D], key_cache [num_pages, page_size, Hkv, D], value_cache
-  [num_pages, page_size, Hkv, Dv], seqlens_k int32 [B] (in [0, max_pages * page_size]),
-  block_table int32 [B, max_pages] (in [0, num_pages)): key ``j`` of sequence ``b`` is row
-  ``j % page_size`` of page ``block_table[b, j // page_size]``; each sequence's ``Sq`` queries
-  are the last ``Sq`` of its ``seqlens_k[b]`` keys.
+  [num_pages, page_size, Hkv, Dv], seqlens_k int32 [B] (clamped into [0, max_pages *
+  page_size]),
+  block_table int32 [B, max_pages] (each entry clamped into [0, num_pages)): key ``j`` of
+  sequence ``b`` is row ``j % page_size`` of page ``block_table[b, j // page_size]``; each
+  sequence's ``Sq`` queries are the last ``Sq`` of its ``seqlens_k[b]`` keys.
 Results: out [B, Sq, H, Dv] (query's dtype), lse float32 [B, H, Sq].
 Static parameter: ``config`` (:class:`AttentionConfig` of the padded batch).
 
 ``paged_attention`` binds it only for the calls the plan takes (:func:`takes`: the split-KV
-kernel's shapes and pages of a multiple of 16 rows, ffi/plan/plan.h); the others gather the
-pages into dense keys and run :func:`jax_varlen.attention`. Lowerings:
+kernel's shapes, or with ``JAX_VARLEN_PAGED_SM90=1`` the Hopper forward's longer query runs,
+and pages of a multiple of 16 rows, ffi/plan/plan.h); the others gather the pages into dense
+keys and run :func:`jax_varlen.attention`. Lowerings:
   cuda  the FFI target ``jax_varlen_paged_attention_fwd_cuda``: the split-KV kernel loads each
-        key tile through the block table (ffi/cuda/sm80/mainloop.h, KvSource), so no page is
-        copied and pages no sequence uses are never read;
+        key tile through the block table (ffi/cuda/sm80/mainloop.h, KvSource), and so does the
+        Hopper forward under ``JAX_VARLEN_PAGED_SM90=1`` (its producer warps, by cp.async:
+        ffi/cuda/sm90/fwd_load.h, load_tile_paged), so no page is copied and pages no sequence
+        uses are never read;
   cpu   gathers the pages into dense keys ``[B, max_pages * page_size, Hkv, D]`` and calls the
         padded CPU target: the same results, and the primitive's rules (abstract evaluation,
         batching, sharding, export) are tested without a GPU.
@@ -61,8 +66,9 @@ def takes(query_shape, dtype, key_cache, value_cache, max_pages: int) -> bool:
     """Whether the paged kernel takes a call with padded queries ``query_shape``
     ``[B, Sq, H, D]`` and these caches (the plan decides): float16 or bfloat16, head sizes
     multiples of 8, ``Sq <= 16`` queries per sequence (the split-KV path; longer chunks on the
-    Hopper forward with ``JAX_VARLEN_PAGED_SM90=1``, not yet verified on a GPU) and
-    ``page_size`` a multiple of 16."""
+    Hopper forward with ``JAX_VARLEN_PAGED_SM90=1``: GPU tests pass on an H100, opt-in as it
+    measured 2.6x slower than gathering, benchmarks/NOTES.md) and ``page_size`` a multiple of
+    16."""
     if dtype not in (jnp.float16, jnp.bfloat16):
         return False  # the plan's first condition, without asking it for a dtype it rejects
     plan = _plan(query_shape, dtype, key_cache.shape, value_cache.shape[-1], max_pages)

@@ -54,8 +54,9 @@ struct AttentionParams {
   // [num_pages, page_size, kv_num_heads, dim], and key j of sequence b is row j % page_size of
   // page block_table[b, j / page_size] (clamped into [0, num_pages): never an out-of-bounds
   // read), i.e. row page * page_size + j % page_size of the caches read as stacks of rows
-  // (paged_key_row, seqlen.h). Only the split-KV kernel reads pages (the plan takes a paged
-  // call nowhere else); seqlen_k = max_pages * page_size is the keys' extent.
+  // (paged_key_row, seqlen.h). The split-KV kernel reads pages, and the Hopper one-pass
+  // forward when JAX_VARLEN_PAGED_SM90=1 (plan.h; the plan takes a paged call nowhere else);
+  // seqlen_k = max_pages * page_size is the keys' extent.
   // Worked example, page_size 16, block_table[b] = [7, 2]: keys 0-15 are rows 112-127, keys
   // 16-31 rows 32-47.
   const int32_t* block_table;  // [batch, max_pages]
@@ -100,7 +101,7 @@ struct AttentionParams {
   float* workspace;
   int64_t split_keys;
   // Pack-GQA (the Hopper forward; the plan sets it, plan/plan.h): a sequence of the packed list
-  // whose query rows are short (sm90/tile_scheduler.h, pack_of) takes units of one kv head and
+  // whose query rows are short (sm90/tile_scheduler.h, heads_of) takes units of one kv head and
   // kBlockM rows of (query row, query head of the group) pairs, so a decode row costs one tile
   // per kv head instead of one per query head and its keys are read once per group.
   bool pack_gqa = false;

@@ -19,7 +19,8 @@ namespace sm80 {
 // (limits.h). One pass over the keys:
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_tc(const AttentionParams& p, cudaStream_t stream);
-// Split-KV decode path (p.split_keys > 0): partials into p.workspace, then a merge kernel.
+// Split-KV decode path (p.split_keys > 0): partials into p.workspace, merged in the same kernel
+// by each row block's last split block (fwd_combine.cuh, combine_row).
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream);
 // Backward, after the preprocess (portable/bwd_preprocess.cuh) wrote bp.delta: dK/dV and dQ
@@ -44,8 +45,8 @@ namespace sm90 {
 constexpr int kBlockM = kFwdSm90BlockM;  // query rows of one work unit, at every head size
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_sm90(const AttentionParams& p, cudaStream_t stream);
-// Hopper backward (bwd_sm90.cuh), after the preprocess, for the buckets bwd_sm90_bucket takes:
-// one kernel, dQ summed in a fixed order through bp.dq_accum.
+// Hopper backward (bwd_sm90.cuh), after the preprocess, at every head-dim bucket (the plan
+// takes the call, plan.h): one kernel, dQ summed in a fixed order through bp.dq_accum.
 template <typename Elem, int kHeadDim>
 cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream);
 }  // namespace sm90

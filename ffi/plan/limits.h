@@ -46,8 +46,9 @@ constexpr int64_t split_partials_per_seq(int64_t seqlen_q, int64_t seqlen_k, int
 
 // Paged caches (params.h): the split-KV kernel reads pages in place when each holds a multiple
 // of kPagedRun rows (the plan's condition; vLLM's page sizes 16, 32, ... all qualify), loading a
-// key tile in runs of kPagedRun rows. Other page sizes, and calls that the split-KV path does not
-// take, are gathered into dense keys first (jax_varlen/_paged_api.py).
+// key tile in runs of kPagedRun rows; so does the Hopper forward when JAX_VARLEN_PAGED_SM90=1
+// (plan.h: longer query runs, on the sm90 one-pass path). Other page sizes, and calls that
+// neither path takes, are gathered into dense keys first (jax_varlen/_paged_api.py).
 constexpr int kPagedRun = 16;
 
 // Hopper forward (sm90/fwd_sm90.cuh): query rows of one work unit, at every head size.

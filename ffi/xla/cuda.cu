@@ -106,7 +106,8 @@ ffi::Error packed_attention_fwd_sinks_cuda(cudaStream_t stream, ffi::AnyBuffer q
       stream, workspace);
 }
 
-// The paged forward (make_paged_params): the split-KV kernel reads the caches' pages in place.
+// The paged forward (make_paged_params): the split-KV kernel reads the caches' pages in place,
+// and so does the Hopper forward for longer query runs when JAX_VARLEN_PAGED_SM90=1 (plan.h).
 // The plan takes it or says why not (the Python lowering asks first and gathers the pages into
 // dense keys instead); caches that are not 16-byte aligned are an error, never another kernel.
 ffi::Error paged_attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
