@@ -75,6 +75,39 @@ def test_the_planned_path_is_the_one_that_ran(case):
 
 
 # --------------------------------------------------------------------------------------------
+# Each workspace is checked against the handler's own plan (ffi/xla/cuda.cu).
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_a_workspace_of_another_size_is_an_error(which):
+    """The handler plans the call again and checks each workspace against that plan: one of
+    another size (an exported call from another build, a direct caller of the target) fails
+    with both sizes and never runs another kernel. bf16 at D = 128: Sq = 2 takes the split-KV
+    forward (its partials), Sq = 64 the backward with its dQ workspace."""
+    _ffi.extension()
+    Sq = 2 if which == "forward" else 64
+    q, k, v, n = make_inputs(2, Sq, 1500, 4, 2, 128, 128, jnp.bfloat16, [1500, 7], seed=5)
+    attrs = dict(scale=np.float32(0.1), is_causal=False, softcap=np.float32(0.0),
+                 window_left=np.int64(-1), window_right=np.int64(-1))
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    lse = jax.ShapeDtypeStruct((2, 4, Sq), jnp.float32)
+    wrong = jax.ShapeDtypeStruct((3,), jnp.float32)
+    if which == "forward":
+        call = jax.ffi.ffi_call(_ffi.CUDA_TARGET, (out, lse, wrong))
+        args = (q, k, v, n)
+        match = r"the forward's workspace has 3 float32 elements, the plan expects 2 x \d+"
+    else:
+        call = jax.ffi.ffi_call(_ffi.BWD_CUDA_TARGET, (out, jax.ShapeDtypeStruct(k.shape, k.dtype),
+                                                       jax.ShapeDtypeStruct(v.shape, v.dtype), lse,
+                                                       wrong))
+        o, l = jax_varlen.attention(q, k, v, n, return_lse=True)
+        args = (q, k, v, n, o, l, o, jnp.zeros_like(l))
+        match = r"the dQ workspace has 3 float32 elements, the plan expects 2 x \d+"
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(call(*args, **attrs))
+
+
+# --------------------------------------------------------------------------------------------
 # The CUDA kernels take head sizes up to 256 (the CPU handler has no limit): larger ones raise
 # at trace time, naming both sizes.
 

@@ -104,4 +104,12 @@ JV_HOST_DEVICE Range row_range(const MaskSpec& m, int64_t j0, int64_t j1, int64_
   return {begin, end};
 }
 
+// The first query row that sees some key; seqlen_q when none does. The rows before it see none
+// and every row from it on sees one: a row's key range only grows with the row, and it is empty
+// only while it ends at or before key 0 (its start stays below n: p - left <= n - 1).
+JV_HOST_DEVICE int64_t first_row_with_keys(const MaskSpec& m, int64_t n, int64_t seqlen_q) {
+  const Range rows = row_range(m, 0, n, n, seqlen_q);
+  return rows.empty() ? seqlen_q : rows.begin;
+}
+
 }  // namespace jax_varlen

@@ -123,11 +123,9 @@ void run_item(const AttentionParams& p, int64_t item) {
   const MaskSpec mask = p.mask();
   const int64_t i0 = block * kRowsPerItem, i1 = std::min(Sq, i0 + kRowsPerItem);
   if (i0 >= i1) return;
-  // The rows that see no key are leading ones (a row's key range only grows with the row and
-  // is empty only while it ends at or before key 0): rows [i0, i0 + first) are written as
+  // The rows that see no key are leading ones (mask.h): rows [i0, i0 + first) are written as
   // empty and left out of the products.
-  int64_t first = 0;
-  while (i0 + first < i1 && key_range(mask, i0 + first, n, Sq).empty()) ++first;
+  const int64_t first = std::clamp(first_row_with_keys(mask, n, Sq), i0, i1) - i0;
   const int64_t rows = i1 - i0 - first, rows_ld = round_up(rows, kLanes);
   // Keys [kb, ke): those some row of the block may see.
   const Range block_keys = key_range(mask, i0 + first, i1, n, Sq);

@@ -286,8 +286,7 @@ void dq_item(const BackwardParams& bp, const SeqlenInfo& seq, int64_t g, int64_t
   // The rows that see no key are leading ones (as in the forward): rows [i0, i0 + first) get
   // zeros and are left out of the products.
   const MaskSpec mask = p.mask();
-  int64_t first = 0;
-  while (i0 + first < i1 && key_range(mask, i0 + first, n, Sq).empty()) ++first;
+  const int64_t first = std::clamp(first_row_with_keys(mask, n, Sq), i0, i1) - i0;
   const int64_t rows = i1 - i0 - first, rows_ld = round_up(rows, kLanes);
   T* d_q = static_cast<T*>(bp.d_q);
   for (int64_t h = g * G; h < (g + 1) * G; ++h)

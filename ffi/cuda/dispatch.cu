@@ -24,12 +24,9 @@
 //   sm80 tensor   compute capability 8+  f16/bf16, D and Dv multiples of 8           sm80::run_bwd_tc
 //   cores
 //   portable      any                    everything else                            portable::run_bwd_simt
-// Chosen here at run time, since only the buffers' addresses tell (XLA's buffers are aligned;
-// these are the second line of defence):
-//   - a tensor-core path whose q, k, v, out (backward: also d_out, d_q, d_k, d_v) are not all
-//     16-byte aligned runs the portable kernels instead;
-//   - the sm90 backward with a dQ workspace that is not 16-byte aligned runs the sm80 one.
-// A workspace of another size than the plan's never gets here: the handler rejects it.
+// The plan's path is the one that runs: a workspace of another size than the plan's, or a
+// tensor-core path's buffer (or the sm90 backward's dQ workspace) that is not 16-byte aligned,
+// never gets here: the handler rejects them (xla/cuda.cu).
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -97,8 +94,6 @@ constexpr BwdPathKernels kBwdPortable = every_bucket<BwdFn>(
 constexpr BwdFn kBwdPreprocess[] = {&run_bwd_preprocess<float>, &run_bwd_preprocess<__half>,
                                     &run_bwd_preprocess<__nv_bfloat16>};
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 // The paths' rows, in FwdPath and BwdPath order (no sm90 rows in a build without the Hopper
 // kernels, whose plans never choose them).
 constexpr const PathKernels* kFwdPaths[] = {&kPortable, &kSm80Split, &kSm80OnePass,
@@ -154,8 +149,7 @@ int device_major() {
 }
 
 cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t stream) {
-  const bool aligned = aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out);
-  const FwdPath path = aligned ? plan.fwd_path : FwdPath::kPortable;
+  const FwdPath path = plan.fwd_path;
   // Pages are read by the split-KV kernel and the Hopper forward alone (the plan takes a paged
   // call nowhere else; the handler rejects unaligned caches before this point).
   if (p.block_table != nullptr && path != FwdPath::kSm80Split && path != FwdPath::kSm90OnePass)
@@ -190,11 +184,7 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
 
 cudaError_t run_bwd(const BackwardParams& bp, const Plan& plan, cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
-  BwdPath path = plan.bwd_path;
-  if (!(aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) && aligned16(bp.d_out) &&
-        aligned16(bp.d_q) && aligned16(bp.d_k) && aligned16(bp.d_v)))
-    path = BwdPath::kPortable;
-  if (path == BwdPath::kSm90 && !aligned16(bp.dq_accum)) path = BwdPath::kSm80;
+  const BwdPath path = plan.bwd_path;
   const BwdPathKernels* kernels = kBwdPaths[int(path)];
   const BwdFn fn = kernels == nullptr ? nullptr : (*kernels)[int(p.dtype)][plan.bucket];
   if (fn == nullptr) return cudaErrorInvalidValue;

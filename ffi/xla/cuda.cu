@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "cuda/launch.h"
 #include "xla/handler_common.h"
@@ -34,6 +35,18 @@ ffi::Error check_workspace(const char* name, size_t given, int64_t num_packs, in
                                      " x " + std::to_string(per_pack) + " (packs x per pack)");
 }
 
+// The tensor-core kernels (every path but the portable one) move 16-byte chunks: a buffer they
+// read or write at another alignment is an error naming it, never another kernel. (XLA's
+// buffers are aligned; a caller of the FFI target may not be.)
+ffi::Error check_aligned(std::initializer_list<std::pair<const char*, const void*>> buffers) {
+  for (const auto& [name, ptr] : buffers)
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+      return ffi::Error::InvalidArgument(std::string("jax_varlen: ") + name +
+                                         " must be 16-byte aligned for the tensor-core kernels; its address is " +
+                                         std::to_string(reinterpret_cast<uintptr_t>(ptr) % 16) + " bytes past a multiple of 16");
+  return ffi::Error::Success();
+}
+
 // The forward of either layout, once its params are made: the plan, its split-KV workspace, the
 // launch.
 ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
@@ -46,6 +59,9 @@ ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
                                  plan->fwd_workspace_per_pack);
       err.failure())
     return err;
+  if (plan->fwd_path != FwdPath::kPortable)
+    if (auto err = check_aligned({{"query", p.q}, {"key", p.k}, {"value", p.v}, {"out", p.out}}); err.failure())
+      return err;
   p.workspace = workspace->typed_data();
   p.split_keys = plan->split_keys;
   p.pack_gqa = plan->pack_gqa;
@@ -109,7 +125,8 @@ ffi::Error packed_attention_fwd_sinks_cuda(cudaStream_t stream, ffi::AnyBuffer q
 // The paged forward (make_paged_params): the split-KV kernel reads the caches' pages in place,
 // and so does the Hopper forward for longer query runs when JAX_VARLEN_PAGED_SM90=1 (plan.h).
 // The plan takes it or says why not (the Python lowering asks first and gathers the pages into
-// dense keys instead); caches that are not 16-byte aligned are an error, never another kernel.
+// dense keys instead); caches that are not 16-byte aligned are an error (run_fwd), never
+// another kernel.
 ffi::Error paged_attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
                                     ffi::AnyBuffer value_cache, ffi::Buffer<ffi::S32> seqlens_k,
                                     ffi::Buffer<ffi::S32> block_table, ffi::Result<ffi::AnyBuffer> out,
@@ -117,14 +134,8 @@ ffi::Error paged_attention_fwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, f
                                     ffi::Result<ffi::Buffer<ffi::F32>> workspace, ffi::Dictionary attrs) {
   const auto a = read_attrs(attrs, /*packed=*/false);
   if (!a) return a.error();
-  auto params = make_paged_params(query, key_cache, value_cache, seqlens_k, block_table, *out, *lse, *a);
-  if (params) {
-    for (const void* ptr : std::initializer_list<const void*>{params->q, params->k, params->v, params->out})
-      if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
-        return ffi::Error::InvalidArgument(
-            "jax_varlen: the paged kernel needs query, key_cache, value_cache and out 16-byte aligned");
-  }
-  return run_fwd(params, stream, workspace);
+  return run_fwd(make_paged_params(query, key_cache, value_cache, seqlens_k, block_table, *out, *lse, *a), stream,
+                 workspace);
 }
 
 // The backward of either layout (params.h, BackwardParams): d_query, d_key, d_value and the
@@ -141,6 +152,14 @@ ffi::Error run_bwd(ffi::ErrorOr<BackwardParams> params, cudaStream_t stream,
       err.failure())
     return err;
   bp.dq_accum = dq_workspace->typed_data();
+  const AttentionParams& p = bp.fwd;
+  if (plan->bwd_path != BwdPath::kPortable)
+    if (auto err = check_aligned({{"query", p.q}, {"key", p.k}, {"value", p.v}, {"out", p.out}, {"d_out", bp.d_out},
+                                  {"d_query", bp.d_q}, {"d_key", bp.d_k}, {"d_value", bp.d_v}});
+        err.failure())
+      return err;
+  if (plan->bwd_path == BwdPath::kSm90)
+    if (auto err = check_aligned({{"the dQ workspace", bp.dq_accum}}); err.failure()) return err;
   if (bp.fwd.num_packs == 0 || bp.fwd.num_heads == 0) return ffi::Error::Success();
   const cudaError_t err = cuda::run_bwd(bp, *plan, stream);
   if (err != cudaSuccess)

@@ -139,7 +139,7 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
   const size_t sems = size_t(p.num_packs * p.num_heads * kp.num_slots) * sizeof(int);
   cudaError_t err = cudaMemsetAsync(bp.dq_semaphore, 0, sems, stream);
   if (err != cudaSuccess) return err;
-  err = run_bwd_seq_order(p, bp.seq_order, stream);
+  err = run_bwd_seq_order(p, Tr::kBlockN, bp.seq_order, stream);
   if (err != cudaSuccess) return err;
   auto kernel = p.softcap > 0.0f ? bwd_sm90_kernel<Tr, true> : bwd_sm90_kernel<Tr, false>;
   constexpr size_t kSmem = sizeof(BwdSharedStorage<Tr>);
