@@ -1,5 +1,6 @@
 """Shared helpers for the jax_varlen tests: the backend fixture and per-backend case tables,
-inputs, the oracle baseline, tolerances, the GPU skip, the non-finite data rule.
+inputs, the oracle baseline, tolerances, the GPU skip, the masking and non-finite data rules,
+the transformation tests' small problem and the multi-device cases' meshes.
 
 x64 stays off globally; helpers that need float64 turn it on locally with ``jax.enable_x64``.
 """
@@ -7,6 +8,7 @@ x64 stays off globally; helpers that need float64 turn it on locally with ``jax.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import os
 
@@ -96,6 +98,12 @@ BACKENDS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 # backend (the GPU on a GPU machine, whatever the default device), so export tests name it.
 EXPORT_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
 
+# Exported.serialize() needs the flatbuffers package, which jax does not depend on.
+needs_flatbuffers = pytest.mark.skipif(
+    importlib.util.find_spec("flatbuffers") is None,
+    reason="Exported.serialize() needs the flatbuffers package (pip install flatbuffers)",
+)
+
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
@@ -156,6 +164,27 @@ def bits(x) -> bytes:
     """The bytes of an array, for bitwise comparisons."""
     x = np.asarray(x)
     return x.dtype.str.encode() + str(x.shape).encode() + x.tobytes()
+
+
+def make_inputs_q(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q=None, seed=0, pad=np.nan):
+    """``make_inputs`` (the same random values) with query rows ``i >= n_q[b]`` set to ``pad``
+    too: ``(query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv], n_kv [B],
+    n_q [B])``, counts int32 jax arrays (``n_q`` None when not given)."""
+    q, k, v, n = make_inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, seed=seed, pad_value=pad)
+    if n_q is None:
+        return q, k, v, n, None
+    q = np.array(q, np.float32)  # exact: every dtype here is a subset of float32
+    for b, m in enumerate(n_q):
+        q[b, m:] = pad
+    return jnp.asarray(q, dtype), k, v, n, jnp.asarray(np.asarray(n_q, np.int32))
+
+
+def real_rows(n_q, Sq, B=None):
+    """[B, Sq] bool: the real query rows (``i < n_q[b]``); every row when ``n_q`` is None
+    (then ``B`` gives the batch)."""
+    if n_q is None:
+        return np.ones((B, Sq), bool)
+    return np.arange(Sq)[None, :] < np.asarray(n_q)[:, None]
 
 
 def assert_padding_never_leaks(B, Sq, Skv, H, Hkv, D, Dv, dtype, lengths, **kw):
@@ -343,15 +372,26 @@ def nonfinite_positions(Sq, lengths):
     return dict(b=0, i=Sq // 2, j=n0 - 2, h=1, d=1, e=2)
 
 
-def allowed_keys(Sq, Skv, lengths, causal):
-    """allowed[b, i, j], straight from the contract."""
+def allowed_keys(Sq, Skv, lengths, causal=False, *, n_q=None, window=None):
+    """allowed[b, i, j] ([B, Sq, Skv] bool), straight from the contract: query row i of
+    sequence b is real iff ``i < n_q[b]`` (default: every row); at its tail-aligned position
+    ``p = i + n - m`` (``n = lengths[b]`` keys, ``m = n_q[b]``) it sees key j iff ``j < n``,
+    ``j <= p`` when ``causal``, and ``p - left <= j <= p + right`` in a ``window`` (left, right)
+    (an int: both sides; a side None: unbounded)."""
     n = np.asarray(lengths)[:, None, None]
+    m = np.full_like(n, Sq) if n_q is None else np.asarray(n_q)[:, None, None]
     i = np.arange(Sq)[None, :, None]
     j = np.arange(Skv)[None, None, :]
-    ok = j < n
+    p = i + n - m
+    ok = (j < n) & (i < m)
     if causal:
-        ok = ok & (j <= i + n - Sq)
-    return np.broadcast_to(ok, (len(lengths), Sq, Skv))
+        ok &= j <= p
+    left, right = (window, window) if isinstance(window, int) else (window or (None, None))
+    if left is not None:
+        ok &= j >= p - left
+    if right is not None:
+        ok &= j <= p + right
+    return ok
 
 
 def nonfinite_inputs(kind, B, Sq, Skv, H, Hkv, D, Dv, dtype, lengths, seed=0, at=None):
@@ -501,17 +541,18 @@ def packed_grads(q, k, v, cu_q, cu_k, ct_out, ct_lse, **kw):
     return _packed_vjp(tuple(sorted(kw.items())))(q, k, v, cu_q, cu_k, ct_out, ct_lse)
 
 
-def cuda_plan(q, k, v, *, pack_seqs, rows, seqlen, dims=None):
+def cuda_plan(q, k, v, *, pack_seqs, rows, seqlen, dims=None, **plan_kw):
     """The CUDA plan (ffi/plan/plan.h) of a call with the dtype and heads of q [Tq, H, D],
     k [Tk, Hkv, D], v [Tk, Hkv, Dv] and head sizes ``dims`` (default (D, Dv)): ``pack_seqs``
-    sequences over ``rows`` (query, key) rows per pack, grids of ``seqlen`` (query, key) rows."""
+    sequences over ``rows`` (query, key) rows per pack, grids of ``seqlen`` (query, key) rows;
+    ``plan_kw`` gives the plan's other inputs (is_causal, window_left/right, compute_major)."""
     from jax_varlen import _ffi
 
     head_dim, head_dim_v = dims or (q.shape[2], v.shape[2])
     return _ffi.extension().plan(
         dtype=q.dtype.name, pack_seqs=pack_seqs, pack_rows_q=int(rows[0]), pack_rows_k=int(rows[1]),
         seqlen_q=int(seqlen[0]), seqlen_k=int(seqlen[1]), num_heads=q.shape[1],
-        kv_num_heads=k.shape[1], head_dim=head_dim, head_dim_v=head_dim_v)
+        kv_num_heads=k.shape[1], head_dim=head_dim, head_dim_v=head_dim_v, **plan_kw)
 
 
 def padded_alone(q, k, v, cu_q, cu_k, ct_out, ct_lse, b, grid_q, **kw):
@@ -547,3 +588,64 @@ def padded_alone(q, k, v, cu_q, cu_k, ct_out, ct_lse, b, grid_q, **kw):
     (out, lse), pullback = jax.vjp(f, pad(q[rq])[None], k[rk][None], v[rk][None])
     d_q, d_k, d_v = pullback((pad(ct_out[rq])[None], pad(ct_lse[:, rq], 1)[None]))
     return out[0, lead:], lse[0, :, lead:], d_q[0, lead:], d_k[0], d_v[0]
+
+
+# --------------------------------------------------------------------------------------------
+# The transformation tests' small problem (test_compose.py, test_backward.py's
+# transformations): GQA, causal with a sequence shorter than Sq (empty rows), softcap, NaN
+# padding, Dv = D (so that a layer's output can be added to its input).
+
+SMALL_SHAPE = (2, 5, 7, 4, 2, 8)  # B, Sq, Skv, H, Hkv, D
+SMALL_LENGTHS = [7, 3]
+SMALL_KW = dict(is_causal=True, softcap=2.0)
+
+
+def small_inputs(seed=0, dtype=jnp.float32, batch=SMALL_SHAPE[0], lengths=SMALL_LENGTHS):
+    """``make_inputs`` of the small problem: q [batch, 5, 4, 8], k and v [batch, 7, 2, 8],
+    lengths ``lengths[:batch]`` [batch]."""
+    _, Sq, Skv, H, Hkv, D = SMALL_SHAPE
+    return make_inputs(batch, Sq, Skv, H, Hkv, D, D, dtype, lengths[:batch], seed=seed)
+
+
+def cos_weights(shape, phase=0.0):
+    """float32 ``cos(0 + phase, 1 + phase, ...)`` of ``shape`` (any): non-uniform, deterministic
+    weights for a scalar loss or a cotangent."""
+    return jnp.cos(jnp.arange(np.prod(shape), dtype=jnp.float32) + phase).reshape(shape)
+
+
+def assert_trees_close(got, want, atol, what=""):
+    """Leaf by leaf (the same number of leaves, each of the same shape, any): ``got`` finite and
+    within ``atol * max(1, max|want leaf|)`` of ``want``."""
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want), (what, len(got), len(want))
+    for i, (a, w) in enumerate(zip(got, want)):
+        a, w = np.asarray(a), np.asarray(w)
+        assert a.shape == w.shape, (what, i, a.shape, w.shape)
+        assert np.isfinite(a).all(), f"{what}[{i}] has non-finite entries"
+        np.testing.assert_allclose(a, w, rtol=0, atol=atol * max(1.0, np.abs(w).max()),
+                                   err_msg=f"{what}[{i}]")
+
+
+# --------------------------------------------------------------------------------------------
+# The multi-device cases (multi_device_cases.py, multi_device_backward_cases.py: 8 CPU devices).
+
+COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+
+
+def make_mesh(shape=(2, 4), names=("x", "y"), *, explicit=False):
+    """A mesh of ``shape`` over jax's devices, every axis Explicit or else Auto."""
+    from jax.sharding import AxisType
+
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+
+
+def full_spec(x) -> tuple:
+    """x's PartitionSpec entries, padded with None to x's rank."""
+    spec = tuple(x.sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def collectives_in(compiled_text: str) -> list[str]:
+    """The kinds of collective (``COLLECTIVES``) named in a compiled program's text."""
+    return [c for c in COLLECTIVES if c in compiled_text]

@@ -11,17 +11,15 @@ XLA_FLAGS give the CPU 8 devices. By hand (from a folder other than the reposito
 
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_varlen
-from conftest import bits, make_inputs
+from conftest import bits, collectives_in, full_spec, make_inputs, make_mesh, needs_flatbuffers
 
 if jax.device_count() < 8:
     raise RuntimeError(
@@ -29,24 +27,8 @@ if jax.device_count() < 8:
         "with XLA_FLAGS=--xla_force_host_platform_device_count=8 (test_backward.py does)"
     )
 
-COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
-
 B, SQ, SKV, D, DV = 8, 5, 48, 16, 8
 LENGTHS = [0, 1, 17, 48, 5, 33, 48, 2]
-
-
-def _mesh(explicit=False):
-    kind = AxisType.Explicit if explicit else AxisType.Auto
-    return jax.make_mesh((2, 4), ("x", "y"), axis_types=(kind, kind))
-
-
-def _collectives(compiled_text: str) -> list[str]:
-    return [c for c in COLLECTIVES if c in compiled_text]
-
-
-def _spec(x) -> tuple:
-    spec = tuple(x.sharding.spec)
-    return spec + (None,) * (x.ndim - len(spec))
 
 
 def _pullback(**kw):
@@ -94,13 +76,13 @@ def test_sharded_grad_no_collectives(explicit, layout, dtype, heads, kw):
     args = _args(dtype, heads, seed=31)
     f = jax.jit(_pullback(**kw))
     ref = f(*args)  # one device
-    mesh = _mesh(explicit)
+    mesh = make_mesh(explicit=explicit)
     b, h = LAYOUTS[layout]
     sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, _specs(b, h))]
-    assert _collectives(f.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(f.lower(*sharded).compile().as_text()) == []
     got = f(*sharded)
     for g in got:
-        assert _spec(g) == (b, None, h, None)
+        assert full_spec(g) == (b, None, h, None)
     # Every device computes its block as one device would: the same bits.
     assert [bits(g) for g in got] == [bits(g) for g in ref]
 
@@ -112,11 +94,11 @@ def test_sharded_grad_gspmd():
     ref = f(*args)
     jax.config.update("jax_use_shardy_partitioner", False)
     try:
-        mesh = _mesh()
+        mesh = make_mesh()
         sharded = [jax.device_put(a, NamedSharding(mesh, s))
                    for a, s in zip(args, _specs("x", "y"))]
         g = jax.jit(_pullback(is_causal=True))
-        assert _collectives(g.lower(*sharded).compile().as_text()) == []
+        assert collectives_in(g.lower(*sharded).compile().as_text()) == []
         got = g(*sharded)
     finally:
         jax.config.update("jax_use_shardy_partitioner", True)
@@ -128,25 +110,25 @@ def test_heads_not_divisible_fall_back_correctly():
     args = _args(jnp.float32, (8, 1), seed=33)
     f = jax.jit(_pullback(is_causal=True))
     ref = f(*args)
-    mesh = _mesh()
+    mesh = make_mesh()
     specs = (P(None, None, "y"), P(), P(), P(), P(), P())
     sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
     got = f(*sharded)
     assert [bits(x) for x in got] == [bits(x) for x in ref]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flatbuffers") is None, reason="needs flatbuffers")
+@needs_flatbuffers
 def test_sharded_export_of_grad():
     """An exported gradient (the bare FFI call with its delta workspace, batch partitionable)
     runs split over the batch with no collective, in the bits of one device."""
     args = _args(jnp.float32, (8, 4), seed=34)
-    mesh = _mesh()
+    mesh = make_mesh()
     shardings = [NamedSharding(mesh, s) for s in _specs("x", None)]
     f = jax.jit(_pullback(is_causal=True), in_shardings=shardings)
     exp = jax.export.export(f, disabled_checks=jax_varlen.export_disabled_checks())(*args)
     call = jax.jit(jax.export.deserialize(exp.serialize()).call)
     sharded = [jax.device_put(a, s) for a, s in zip(args, shardings)]
-    assert _collectives(call.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(call.lower(*sharded).compile().as_text()) == []
     got = call(*sharded)
     ref = jax.jit(_pullback(is_causal=True))(*args)
     assert [bits(x) for x in got] == [bits(x) for x in ref]
@@ -156,12 +138,12 @@ def test_shard_map_with_grad_inside_check_vma():
     """grad inside shard_map (check_vma=True): the backward's results vary over the manual
     axes its operands vary over; each block's gradients are the single-device ones."""
     args = _args(jnp.float32, (8, 4), seed=35)
-    mesh = _mesh()
+    mesh = make_mesh()
     specs = _specs("x", "y")
     f = jax.jit(jax.shard_map(_pullback(is_causal=True, softcap=2.0), mesh=mesh,
                               in_specs=specs, out_specs=specs[:3], check_vma=True))
     sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-    assert _collectives(f.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(f.lower(*sharded).compile().as_text()) == []
     got = f(*sharded)
     ref = jax.jit(_pullback(is_causal=True, softcap=2.0))(*args)
     assert [bits(x) for x in got] == [bits(x) for x in ref]

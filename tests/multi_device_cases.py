@@ -13,7 +13,6 @@ extension):
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import subprocess
 import sys
@@ -27,7 +26,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_varlen
-from conftest import assert_lse_close, assert_out_close, bits, make_inputs, oracle_hi
+from conftest import (assert_lse_close, assert_out_close, bits, collectives_in, full_spec, make_inputs,
+                      make_mesh, needs_flatbuffers, oracle_hi)
 
 if jax.device_count() < 8:
     raise RuntimeError(
@@ -35,29 +35,12 @@ if jax.device_count() < 8:
         "XLA_FLAGS=--xla_force_host_platform_device_count=8 (test_sharding.py does)"
     )
 
-COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
-
 B, SQ, SKV, D, DV = 8, 5, 48, 16, 8
 LENGTHS = [0, 1, 17, 48, 5, 33, 48, 2]
 
 
-def _mesh(shape=(2, 4), names=("x", "y"), explicit=False):
-    kind = AxisType.Explicit if explicit else AxisType.Auto
-    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
-
-
 def _put(mesh, arrays, specs):
     return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
-
-
-def _spec(x) -> tuple:
-    """x's PartitionSpec entries, padded with None to x's rank."""
-    spec = tuple(x.sharding.spec)
-    return spec + (None,) * (x.ndim - len(spec))
-
-
-def _collectives(compiled_text: str) -> list[str]:
-    return [c for c in COLLECTIVES if c in compiled_text]
 
 
 def _fn(**kw):
@@ -93,14 +76,14 @@ def test_sharded_jit_no_collectives(explicit, layout, dtype, heads, kw):
     H, HKV = heads
     args = make_inputs(B, SQ, SKV, H, HKV, D, DV, dtype, LENGTHS, seed=11)
     ref_out, ref_lse = _fn(**kw)(*args)  # one device
-    mesh = _mesh(explicit=explicit)
+    mesh = make_mesh(explicit=explicit)
     b, h = LAYOUTS[layout]
     qkv = P(b, None, h, None)
     sharded = _put(mesh, args, (qkv, qkv, qkv, P(b)))
     f = jax.jit(_fn(**kw))
-    assert _collectives(f.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(f.lower(*sharded).compile().as_text()) == []
     out, lse = f(*sharded)
-    assert _spec(out) == (b, None, h, None) and _spec(lse) == (b, h, None)
+    assert full_spec(out) == (b, None, h, None) and full_spec(lse) == (b, h, None)
     # Batch invariance: a device's block gives the bits the whole batch gives.
     assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
 
@@ -110,11 +93,11 @@ def _sharded_like_one_device(f, args, specs, b, h):
     the (2, 4) mesh: no collective in the compiled program, out and lse sharded over batch b
     and heads h, and the bits of the one-device call."""
     ref_out, ref_lse = jax.jit(f)(*args)  # one device
-    sharded = _put(_mesh(), args, specs)
+    sharded = _put(make_mesh(), args, specs)
     g = jax.jit(f)
-    assert _collectives(g.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(g.lower(*sharded).compile().as_text()) == []
     out, lse = g(*sharded)
-    assert _spec(out) == (b, None, h, None) and _spec(lse) == (b, h, None)
+    assert full_spec(out) == (b, None, h, None) and full_spec(lse) == (b, h, None)
     assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
 
 
@@ -181,9 +164,9 @@ def test_query_counts_sharded_no_collectives(layout):
     ref_fwd, ref_grad = fwd(*args), grad(*args)
     b, h = LAYOUTS[layout]
     qkv = P(b, None, h, None)
-    sharded = _put(_mesh(), args, (qkv, qkv, qkv, P(b), P(b)))
+    sharded = _put(make_mesh(), args, (qkv, qkv, qkv, P(b), P(b)))
     for fn, ref in ((fwd, ref_fwd), (grad, ref_grad)):
-        assert _collectives(fn.lower(*sharded).compile().as_text()) == []
+        assert collectives_in(fn.lower(*sharded).compile().as_text()) == []
         for got, want in zip(fn(*sharded), ref):
             assert bits(got) == bits(want)
 
@@ -192,11 +175,11 @@ def test_sharded_jit_rank3_gqa():
     q, k, v, n = make_inputs(B, SQ, SKV, 8, 4, D, DV, jnp.float32, LENGTHS, seed=12, rank=3)
     f = jax.jit(functools.partial(jax_varlen.attention, num_heads=8, kv_num_heads=4))
     ref = f(q, k, v, n)
-    mesh = _mesh()
+    mesh = make_mesh()
     # [B, S, H*D] split over 'y' (4) on its last axis is whole heads: (8 * 16) / 4 = 2 heads.
     qkv = P("x", None, "y")
     sharded = _put(mesh, (q, k, v, n), (qkv, qkv, qkv, P("x")))
-    assert _collectives(f.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(f.lower(*sharded).compile().as_text()) == []
     assert bits(f(*sharded)) == bits(ref)
 
 
@@ -209,10 +192,10 @@ def test_sharded_grad_no_collectives():
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     ref = grad(*args)
-    mesh = _mesh()
+    mesh = make_mesh()
     qkv = P("x", None, "y")
     sharded = _put(mesh, args, (qkv, qkv, qkv, P("x")))
-    assert _collectives(grad.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(grad.lower(*sharded).compile().as_text()) == []
     for got, want in zip(grad(*sharded), ref):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
@@ -238,13 +221,13 @@ def test_packed_sharded_over_heads_no_collectives(explicit):
     fwd, grad = jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     ref_out, ref_lse = fwd(q, k, v, cu_q, cu_k)
     ref_grads = grad(q, k, v, cu_q, cu_k)
-    mesh = _mesh(explicit=explicit)
+    mesh = make_mesh(explicit=explicit)
     heads = P(None, "y", None)
     sharded = _put(mesh, (q, k, v, cu_q, cu_k), (heads, heads, heads, P(), P()))
-    assert _collectives(fwd.lower(*sharded).compile().as_text()) == []
-    assert _collectives(grad.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(fwd.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(grad.lower(*sharded).compile().as_text()) == []
     out, lse = fwd(*sharded)
-    assert _spec(out) == (None, "y", None) and _spec(lse) == ("y", None)
+    assert full_spec(out) == (None, "y", None) and full_spec(lse) == ("y", None)
     assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
     for got, want in zip(grad(*sharded), ref_grads):
         assert bits(got) == bits(want)
@@ -256,11 +239,11 @@ def test_sharded_jit_gspmd():
     ref = _fn()(*args)
     jax.config.update("jax_use_shardy_partitioner", False)
     try:
-        mesh = _mesh()
+        mesh = make_mesh()
         qkv = P("x", None, "y")
         sharded = _put(mesh, args, (qkv, qkv, qkv, P("x")))
         f = jax.jit(_fn())
-        assert _collectives(f.lower(*sharded).compile().as_text()) == []
+        assert collectives_in(f.lower(*sharded).compile().as_text()) == []
         out = f(*sharded)
     finally:
         jax.config.update("jax_use_shardy_partitioner", True)
@@ -281,18 +264,18 @@ def test_heads_not_divisible_fall_back_correctly(heads, head_axes, kv_split):
     H, HKV = heads
     args = make_inputs(B, SQ, SKV, H, HKV, D, DV, jnp.float32, LENGTHS, seed=14)
     ref_out, ref_lse = _fn(is_causal=True)(*args)
-    mesh = _mesh()
+    mesh = make_mesh()
     q_spec = P(None, None, head_axes, None)
     sharded = _put(mesh, args, (q_spec, P(), P(), P()))
     f = jax.jit(_fn(is_causal=True))
-    assert "all-gather" in _collectives(f.lower(*sharded).compile().as_text())
+    assert "all-gather" in collectives_in(f.lower(*sharded).compile().as_text())
     out, lse = f(*sharded)
     assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
 
 
 def test_explicit_conflicting_batch_axes_is_an_error():
     args = make_inputs(B, SQ, SKV, 4, 4, D, DV, jnp.float32, LENGTHS, seed=15)
-    mesh = _mesh(explicit=True)
+    mesh = make_mesh(explicit=True)
     sharded = _put(mesh, args, (P("x"), P("y"), P("y"), P("x")))
     with pytest.raises(ValueError, match=r"split factor 'b' over different mesh axes.*reshard"):
         jax.jit(_fn())(*sharded)
@@ -306,12 +289,12 @@ def test_explicit_conflicting_batch_axes_is_an_error():
 def test_shard_map(check_vma):
     args = make_inputs(B, SQ, SKV, 8, 4, D, DV, jnp.bfloat16, LENGTHS, seed=16)
     ref_out, ref_lse = _fn(is_causal=True)(*args)
-    mesh = _mesh()
+    mesh = make_mesh()
     qkv = P("x", None, "y")
     f = jax.jit(jax.shard_map(_fn(is_causal=True), mesh=mesh, in_specs=(qkv, qkv, qkv, P("x")),
                               out_specs=(qkv, P("x", "y")), check_vma=check_vma))
     sharded = _put(mesh, args, (qkv, qkv, qkv, P("x")))
-    assert _collectives(f.lower(*sharded).compile().as_text()) == []
+    assert collectives_in(f.lower(*sharded).compile().as_text()) == []
     out, lse = f(*sharded)
     assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)
 
@@ -326,17 +309,17 @@ def test_shard_map_with_grad_inside():
     def loss(attn):
         return lambda q, k, v, n, w: jnp.sum(attn(q, k, v, n, is_causal=True, softcap=3.0) * w)
 
-    mesh = _mesh()
+    mesh = make_mesh()
     qkv = P("x", None, "y")
     local_grad = jax.grad(loss(jax_varlen.attention), argnums=(0, 1, 2))
     f = jax.jit(jax.shard_map(local_grad, mesh=mesh, in_specs=(qkv, qkv, qkv, P("x"), qkv),
                               out_specs=(qkv, qkv, qkv), check_vma=True))
     args = _put(mesh, (q, k, v, n, w), (qkv, qkv, qkv, P("x"), qkv))
-    assert _collectives(f.lower(*args).compile().as_text()) == []
+    assert collectives_in(f.lower(*args).compile().as_text()) == []
     got = f(*args)
     ref = jax.jit(jax.grad(loss(jax_varlen.reference), argnums=(0, 1, 2)))(q, k, v, n, w)
     for name, a, b in zip("qkv", got, ref):
-        assert _spec(a)[:3] == ("x", None, "y")
+        assert full_spec(a)[:3] == ("x", None, "y")
         a, b = np.asarray(a), np.asarray(b)
         assert np.isfinite(a).all(), f"d{name} has non-finite entries"
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * max(1.0, np.abs(b).max()),
@@ -346,7 +329,7 @@ def test_shard_map_with_grad_inside():
 def test_shard_map_check_vma_rejects_replicated_out_specs():
     """The result varies over the axes its operands vary over, so out_specs=P() is caught."""
     args = make_inputs(B, SQ, SKV, 4, 4, D, DV, jnp.float32, LENGTHS, seed=17)
-    mesh = _mesh()
+    mesh = make_mesh()
     f = jax.shard_map(lambda *a: jax_varlen.attention(*a), mesh=mesh,
                       in_specs=(P("x"), P("x"), P("x"), P("x")), out_specs=P(), check_vma=True)
     with pytest.raises(Exception, match=r"(?i)vary|replicat"):
@@ -361,7 +344,7 @@ SP_LENGTHS = [0, 1, 16, 17, 64, 31, 48, 5]  # slice 16 on 4 devices: boundaries,
 
 
 def _sp_mesh(explicit=False):
-    return _mesh((2, 4), ("b", "s"), explicit=explicit)
+    return make_mesh((2, 4), ("b", "s"), explicit=explicit)
 
 
 @pytest.mark.parametrize(
@@ -507,7 +490,7 @@ def test_sequence_parallel_errors():
         sp(q, k, v, n, axis_name="s", batch_axis="s")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flatbuffers") is None, reason="needs flatbuffers")
+@needs_flatbuffers
 def test_sequence_parallel_export_round_trip():
     """shard_map is fully manual: the exported module runs its blocks as written."""
     mesh = _sp_mesh()
@@ -525,12 +508,12 @@ def test_sequence_parallel_export_round_trip():
 # Sharded export: the bare FFI call, split over the batch by XLA's batch partitioner.
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flatbuffers") is None, reason="needs flatbuffers")
+@needs_flatbuffers
 @pytest.mark.parametrize("layout", ["batch", "heads"])
 def test_sharded_export_round_trip(layout, tmp_path):
     args = make_inputs(B, SQ, SKV, 8, 4, D, DV, jnp.float32, LENGTHS, seed=23)
     ref_out, ref_lse = _fn(is_causal=True)(*args)
-    mesh = _mesh()
+    mesh = make_mesh()
     b, h = LAYOUTS[layout]
     qkv = P(b, None, h, None)
     shardings = [NamedSharding(mesh, s) for s in (qkv, qkv, qkv, P(b))]
@@ -539,7 +522,7 @@ def test_sharded_export_round_trip(layout, tmp_path):
     blob = exp.serialize()
     sharded = [jax.device_put(a, s) for a, s in zip(args, shardings)]
     call = jax.jit(jax.export.deserialize(blob).call)
-    collectives = _collectives(call.lower(*sharded).compile().as_text())
+    collectives = collectives_in(call.lower(*sharded).compile().as_text())
     # Documented limit: exported code splits the batch for free, the heads after a gather.
     assert collectives == ([] if layout == "batch" else ["all-gather"])
     out, lse = call(*sharded)
@@ -548,7 +531,7 @@ def test_sharded_export_round_trip(layout, tmp_path):
         _check_in_fresh_process(tmp_path, blob, args, ref_out)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flatbuffers") is None, reason="needs flatbuffers")
+@needs_flatbuffers
 def test_symbolic_batch_export_called_sharded():
     """Documented limit: a symbolic batch leaves the call without a Shardy rule, so a
     batch-sharded call of the export gathers first; the result is still exact."""
@@ -558,9 +541,9 @@ def test_symbolic_batch_export_called_sharded():
     specs = [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in args]
     exp = jax.export.export(f, disabled_checks=jax_varlen.export_disabled_checks())(*specs)
     call = jax.jit(jax.export.deserialize(exp.serialize()).call)
-    mesh = _mesh()
+    mesh = make_mesh()
     sharded = _put(mesh, args, (P("x"),) * 4)
-    assert "all-gather" in _collectives(call.lower(*sharded).compile().as_text())
+    assert "all-gather" in collectives_in(call.lower(*sharded).compile().as_text())
     out, lse = call(*sharded)
     ref_out, ref_lse = f(*args)
     assert bits(out) == bits(ref_out) and bits(lse) == bits(ref_lse)

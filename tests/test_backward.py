@@ -24,7 +24,8 @@ import pytest
 from jax.experimental import checkify
 
 import jax_varlen
-from conftest import DTYPES, HEADS, allowed_keys, bits, make_inputs, pairwise
+from conftest import (DTYPES, HEADS, SMALL_KW, SMALL_LENGTHS, SMALL_SHAPE, allowed_keys, assert_trees_close,
+                      bits, cos_weights, make_inputs, pairwise, small_inputs)
 from jax_varlen import _backward
 from jax_varlen._autodiff import FORWARD_MODE_MESSAGE, SECOND_ORDER_MESSAGE
 from jax_varlen._config import AttentionConfig
@@ -387,13 +388,10 @@ def test_batch_invariance(backend, dtype):
 # --------------------------------------------------------------------------------------------
 # Transformations around the op.
 
-B, SQ, SKV, H, HKV, D = 2, 5, 7, 4, 2, 8
-LENGTHS = [7, 3]
-KW = dict(is_causal=True, softcap=2.0)
-
-
-def _weights(shape, phase=0.0):
-    return jnp.cos(jnp.arange(np.prod(shape), dtype=jnp.float32) + phase).reshape(shape)
+# conftest's small problem: GQA, causal with a sequence shorter than Sq, softcap, NaN padding.
+B, SQ, SKV, H, HKV, D = SMALL_SHAPE
+LENGTHS = SMALL_LENGTHS
+KW = SMALL_KW
 
 
 def _loss(attn, **kw):
@@ -403,38 +401,27 @@ def _loss(attn, **kw):
     def loss(q, k, v, n):
         out, lse = attn(q, k, v, n, return_lse=True, **kw)
         finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        return (jnp.sum(out.astype(jnp.float32) * _weights(out.shape))
-                + 0.3 * jnp.sum(finite_lse * _weights(lse.shape, 1.0)))
+        return (jnp.sum(out.astype(jnp.float32) * cos_weights(out.shape))
+                + 0.3 * jnp.sum(finite_lse * cos_weights(lse.shape, 1.0)))
 
     return loss
 
 
-def _inputs(seed=0, dtype=jnp.float32):
-    return make_inputs(B, SQ, SKV, H, HKV, D, D, dtype, LENGTHS, seed=seed)
-
-
-def _assert_close_f32(got, want, what=""):
-    for name, a, w in zip(NAMES * 4, jax.tree.leaves(got), jax.tree.leaves(want)):
-        a, w = np.asarray(a), np.asarray(w)
-        assert a.shape == w.shape and np.isfinite(a).all(), (what, name)
-        np.testing.assert_allclose(a, w, rtol=0, atol=5e-5 * max(1.0, np.abs(w).max()),
-                                   err_msg=f"{what}{name}")
-
-
 def test_eager_grad_equals_jit_grad(backend):
     """Outside jit (the primitives' impls) and under jit: the same bits."""
-    q, k, v, n = _inputs(seed=20)
+    q, k, v, n = small_inputs(seed=20)
     grad = jax.grad(_loss(jax_varlen.attention), argnums=(0, 1, 2))
     eager, jitted = grad(q, k, v, n), jax.jit(grad)(q, k, v, n)
     assert [bits(g) for g in eager] == [bits(g) for g in jitted]
-    _assert_close_f32(jitted, jax.jit(jax.grad(_loss(jax_varlen.reference),
-                                               argnums=(0, 1, 2)))(q, k, v, n))
+    assert_trees_close(jitted, jax.jit(jax.grad(_loss(jax_varlen.reference),
+                                                argnums=(0, 1, 2)))(q, k, v, n), 5e-5)
 
 
 def test_vmap_of_grad(backend):
     """vmap(grad) folds the vmapped axis into the batch: bitwise the per-element gradients
     (batch invariance), with the lengths both batched and unbatched."""
-    qs, ks, vs = (jnp.stack(xs) for xs in zip(_inputs(seed=21)[:3], _inputs(seed=22)[:3]))
+    qs, ks, vs = (jnp.stack(xs)
+                  for xs in zip(small_inputs(seed=21)[:3], small_inputs(seed=22)[:3]))
     grad = jax.grad(_loss(jax_varlen.attention), argnums=(0, 1, 2))
     ns = jnp.array([LENGTHS, [2, 7]], jnp.int32)
     for in_axes, lengths in (((0, 0, 0, 0), ns), ((0, 0, 0, None), ns[0])):
@@ -448,7 +435,7 @@ def test_vmap_of_grad(backend):
 def test_checkpoint_and_scan(backend):
     """jax.checkpoint around the op, and lax.scan over layers of it: the reference's
     gradients."""
-    q, k, v, n = _inputs(seed=23)
+    q, k, v, n = small_inputs(seed=23)
 
     def run(attn):
         ckpt = jax.checkpoint(_loss(attn))
@@ -459,7 +446,7 @@ def test_checkpoint_and_scan(backend):
                 out = attn(x, kv[0], kv[1], n, **KW)
                 return x + out, jnp.sum(out * out)
             x, sums = jax.lax.scan(layer, q, (ks, vs))
-            return jnp.sum(x * _weights(x.shape)) + jnp.sum(sums)
+            return jnp.sum(x * cos_weights(x.shape)) + jnp.sum(sums)
 
         ks = jnp.stack([k, 0.5 * k, -k])  # three layers' keys and values (NaN padding)
         vs = jnp.stack([v, -v, 2.0 * v])
@@ -468,8 +455,8 @@ def test_checkpoint_and_scan(backend):
 
     (ours_ckpt, ours_scan), (ref_ckpt, ref_scan) = run(jax_varlen.attention), run(
         jax_varlen.reference)
-    _assert_close_f32(ours_ckpt, ref_ckpt, "checkpoint ")
-    _assert_close_f32(ours_scan, ref_scan, "scan ")
+    assert_trees_close(ours_ckpt, ref_ckpt, 5e-5, "checkpoint ")
+    assert_trees_close(ours_scan, ref_scan, 5e-5, "scan ")
     for b, nb in enumerate(LENGTHS):  # every layer's padding: exactly zero
         assert (np.asarray(ours_scan[1])[:, b, nb:] == 0).all()
         assert (np.asarray(ours_scan[2])[:, b, nb:] == 0).all()
@@ -492,7 +479,7 @@ def test_jacrev_tiny(backend):
 
 
 def test_second_order_raises(backend):
-    q, k, v, n = _inputs(seed=25)
+    q, k, v, n = small_inputs(seed=25)
     inner = lambda q: jnp.sum(jax.grad(_loss(jax_varlen.attention))(q, k, v, n))  # noqa: E731
     with pytest.raises(NotImplementedError, match=re.escape(SECOND_ORDER_MESSAGE)):
         jax.grad(inner)(q)
@@ -505,7 +492,7 @@ def test_second_order_raises(backend):
 
 
 def test_forward_mode_raises(backend):
-    q, k, v, n = _inputs(seed=26)
+    q, k, v, n = small_inputs(seed=26)
     with pytest.raises(TypeError, match=re.escape(FORWARD_MODE_MESSAGE)):
         jax.jvp(lambda q: jax_varlen.attention(q, k, v, n), (q,), (q,))
     with pytest.raises(TypeError, match=re.escape(FORWARD_MODE_MESSAGE)):

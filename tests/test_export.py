@@ -8,7 +8,6 @@ sharded export runs in multi_device_cases.py.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -22,13 +21,7 @@ import pytest
 
 import jax_varlen
 from jax_varlen import _ffi
-from conftest import DTYPES, EXPORT_PLATFORM, backend_cases, bits, make_inputs
-
-# Exported.serialize() needs the flatbuffers package, which jax does not depend on.
-needs_flatbuffers = pytest.mark.skipif(
-    importlib.util.find_spec("flatbuffers") is None,
-    reason="Exported.serialize() needs the flatbuffers package (pip install flatbuffers)",
-)
+from conftest import DTYPES, EXPORT_PLATFORM, backend_cases, bits, make_inputs, needs_flatbuffers
 
 LENGTHS = [0, 5, 33, 40]
 

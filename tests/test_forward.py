@@ -23,6 +23,7 @@ import jax_varlen
 from conftest import (
     DTYPES,
     HEADS,
+    allowed_keys,
     assert_padding_never_leaks,
     backend_cases,
     bits,
@@ -180,11 +181,8 @@ def test_rows_without_keys_are_zero_with_lse_minus_inf(backend, dtype):
     for causal in (False, True):
         out, lse = jax_varlen.attention(q, k, v, n, is_causal=causal, return_lse=True)
         out, lse = np.asarray(out, np.float32), np.asarray(lse)
-        empty = np.zeros((B, Sq), bool)
-        empty[0] = True  # n = 0
-        if causal:
-            for b, nb in enumerate(lengths):
-                empty[b, : max(Sq - nb, 0)] = True  # row i sees keys j <= i + n - Sq
+        # n = 0; under causal also the rows i < Sq - n (row i sees keys j <= i + n - Sq)
+        empty = ~allowed_keys(Sq, Skv, lengths, causal).any(-1)  # [B, Sq]
         assert (out[empty] == 0).all()
         assert (lse.transpose(0, 2, 1)[empty] == -np.inf).all()
         assert np.isfinite(lse.transpose(0, 2, 1)[~empty]).all()

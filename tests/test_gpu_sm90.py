@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import jax_varlen
-from conftest import (bits, check_against_oracle, make_inputs, make_packed, packed_cotangents, packed_grads,
-                      padded_alone)
+from conftest import (bits, check_against_oracle, cuda_plan, make_inputs, make_packed, packed_cotangents,
+                      packed_grads, padded_alone)
 
 pytestmark = pytest.mark.gpu
 
@@ -82,11 +82,11 @@ def _packed_causal_step(lens_q, seed, max_history):
 @pytest.mark.parametrize("mask", ["none", "causal", "window", "causal-window", "softcap-causal",
                                   "causal-query-lengths", "none-query-lengths"])
 def test_key_tile_of_the_band(mask):
-    """At head dim 128 a banded call (causal or a local window) runs the 128-key tile, an
-    unmasked one the 176-key tile (plan/limits.h, fwd_sm90_block_n; the launch says which):
-    both against the oracle, on ragged lengths whose diagonals and window edges fall mid-tile
-    in either width, over several units per CTA; with query lengths, last row blocks of 60 and
-    5 rows."""
+    """At head dim 128 the plan (ffi/plan/plan.h, fwd_block_n) gives a banded call (causal or
+    a local window) a narrower key tile than an unmasked one: each runs the plan's tile (the
+    launch says which), against the oracle, on ragged lengths whose diagonals and window edges
+    fall mid-tile in either width, over several units per CTA; with query lengths, last row
+    blocks of 60 and 5 rows."""
     _hopper()
     kw = {"none": {}, "causal": dict(is_causal=True), "window": dict(local_window_size=(300, 77)),
           "causal-window": dict(is_causal=True, local_window_size=(413, 0)),
@@ -95,7 +95,17 @@ def test_key_tile_of_the_band(mask):
           "none-query-lengths": dict(nonpad_q_seqlen=jnp.array([1100, 572, 133], jnp.int32))}[mask]
     q, k, v, n = make_inputs(3, 1100, 1500, 16, 4, 128, 128, jnp.bfloat16, [1500, 701, 133], seed=5)
     check_against_oracle(q, k, v, n, **kw)
-    assert jax_varlen._ffi.extension().last_launch()["fwd_block_n"] == (176 if mask.startswith("none") else 128)
+    major = int(str(jax.devices()[0].compute_capability).split(".")[0])
+    window_left, window_right = kw.get("local_window_size", (-1, -1))
+    band = dict(is_causal=kw.get("is_causal", False), window_left=window_left, window_right=window_right)
+    plan = lambda **mask_inputs: cuda_plan(  # noqa: E731  (the padded call: a pack per sequence)
+        q[0], k[0], v[0], pack_seqs=1, rows=(1100, 1500), seqlen=(1100, 1500), compute_major=major,
+        **mask_inputs)
+    tile = plan(**band)["fwd_block_n"]
+    assert jax_varlen._ffi.extension().last_launch()["fwd_block_n"] == tile
+    # The cases reach both widths: the banded ones a narrower tile than the unmasked call's.
+    banded = band["is_causal"] or "local_window_size" in kw
+    assert (tile < plan()["fwd_block_n"]) == banded, "the case does not reach the tile it means to"
 
 
 @pytest.mark.parametrize("layout", ["packed-serving-step-d128", "padded-query-lengths-d64"])

@@ -8,7 +8,6 @@ vmap, export), validation errors and checkify.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 
 import jax
@@ -20,7 +19,7 @@ from jax.experimental import checkify
 import jax_varlen
 from jax_varlen import _export
 from conftest import (DTYPES, EXPORT_PLATFORM, assert_lse_close, assert_out_close, bits, make_packed,
-                      packed_cotangents, packed_grads, padded_alone)
+                      needs_flatbuffers, packed_cotangents, packed_grads, padded_alone)
 from jax_varlen._autodiff import PACKED_FORWARD_MODE_MESSAGE, SECOND_ORDER_MESSAGE
 
 GRAD_RTOL = {jnp.dtype(jnp.float32): 5e-5, jnp.dtype(jnp.float16): 4e-3,
@@ -336,8 +335,7 @@ def test_forward_mode_and_second_order_raise(backend):
         jax.grad(lambda q: jnp.sum(jax.grad(lambda q: jnp.sum(f(q)))(q)))(q)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flatbuffers") is None,
-                    reason="Exported.serialize() needs the flatbuffers package")
+@needs_flatbuffers
 def test_export_round_trip(backend):
     q, k, v, cu_q, cu_k = make_packed(*PATTERNS["ragged"], dtype=jnp.bfloat16)
     ct_out, _ = packed_cotangents(q, v)

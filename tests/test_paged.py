@@ -21,7 +21,7 @@ from jax.experimental import checkify
 
 import jax_varlen
 from jax_varlen import _ffi
-from conftest import DTYPES, RTOL, assert_lse_close, assert_out_close, backend_cases, bits
+from conftest import DTYPES, RTOL, allowed_keys, assert_lse_close, assert_out_close, backend_cases, bits
 
 _STATIC = ("max_seqlen_q", "num_heads", "kv_num_heads", "scale", "is_causal", "softcap",
            "local_window_size", "return_lse")
@@ -631,8 +631,9 @@ def test_bad_arguments_raise(change, error, match):
 @pytest.mark.parametrize("form", ["padded", "packed"])
 def test_paged_reference_matches_a_loop_from_the_layout(form, causal):
     """The oracle, against a loop that reads key j of sequence b at row j % page_size of page
-    block_table[b, j // page_size] and applies the tail-aligned rule (m queries, the last m of
-    the n keys: query i sees key j iff j < n and, causal, j <= i + n - m)."""
+    block_table[b, j // page_size] and applies the tail-aligned rule (conftest's allowed_keys;
+    m queries, the last m of the n keys: query i sees key j iff j < n and, causal,
+    j <= i + n - m)."""
     H, Hkv, D, ps = 2, 1, 4, 3
     seqlens = [8, 2, 0, 5]
     kc, vc, table, n, _, _ = _paged(seqlens, ps, 3, Hkv, D, D, jnp.float32, seed=4)
@@ -652,11 +653,14 @@ def test_paged_reference_matches_a_loop_from_the_layout(form, causal):
     if form == "padded":  # to packed rows: out [B*Sq, H, D], lse [H, B*Sq]
         q_np = q_np.reshape(-1, H, D)
         out, lse = out.reshape(-1, H, D), lse.transpose(1, 0, 2).reshape(H, -1)
+    counts_q = {b: m for b, _, _, m in q_rows}  # each sequence's m
+    allowed = allowed_keys(max(counts_q.values()), max(seqlens), seqlens, causal,
+                           n_q=[counts_q[b] for b in range(len(seqlens))])
     for b, i, r, m in q_rows:
         for h in range(H):
             g = h // (H // Hkv)
-            keys = [j for j in range(seqlens[b]) if not causal or j <= i + seqlens[b] - m]
-            if not keys:
+            keys = np.flatnonzero(allowed[b, i])
+            if keys.size == 0:
                 assert (out[r, h] == 0).all() and lse[h, r] == -np.inf
                 continue
             k = np.stack([kc_np[int(table_np[b, j // ps]), j % ps, g] for j in keys])

@@ -20,30 +20,18 @@ from jax.experimental import checkify
 import jax_varlen
 from conftest import (
     DTYPES,
+    allowed_keys,
     assert_lse_close,
     assert_out_close,
     backend_cases,
     bits,
-    make_inputs,
+    make_inputs_q,
     oracle_hi,
     oracle_same_precision,
+    real_rows,
 )
 
 _STATIC = ("nonpad_q_seqlen",)
-
-
-def _inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q, seed=0, pad=np.nan):
-    """make_inputs with query rows i >= n_q[b] set to ``pad`` too."""
-    q, k, v, n = make_inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, seed=seed, pad_value=pad)
-    q = np.array(q, np.float32)
-    for b, m in enumerate(n_q):
-        q[b, m:] = pad
-    return jnp.asarray(q, dtype), k, v, n, jnp.asarray(np.asarray(n_q, np.int32))
-
-
-def _real_rows(n_q, Sq):
-    """[B, Sq] mask of the real query rows."""
-    return np.arange(Sq)[None, :] < np.asarray(n_q)[:, None]
 
 
 def _check(q, k, v, n, n_q, **kw):
@@ -58,7 +46,7 @@ def _check(q, k, v, n, n_q, **kw):
     assert out.shape == q.shape[:3] + (v.shape[3],) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     assert_out_close(out, hi_out, base, q.dtype)
     assert_lse_close(lse, hi_lse)
-    pad_rows = ~_real_rows(n_q, q.shape[1])
+    pad_rows = ~real_rows(n_q, q.shape[1])
     assert (np.asarray(out, np.float32)[pad_rows] == 0).all(), "padded query rows must be zero"
     assert (np.asarray(lse).transpose(0, 2, 1)[pad_rows] == -np.inf).all()
     return out, lse
@@ -101,7 +89,7 @@ _GPU = {
 })
 def test_forward_matches_oracle(backend, case):
     dtype, B, Sq, Skv, H, Hkv, D, Dv, n_kv, n_q, kw = case
-    q, k, v, n, nq = _inputs(B, Sq, Skv, H, Hkv, D, Dv, DTYPES[dtype], n_kv, n_q)
+    q, k, v, n, nq = make_inputs_q(B, Sq, Skv, H, Hkv, D, Dv, DTYPES[dtype], n_kv, n_q)
     _check(q, k, v, n, nq, **kw)
 
 
@@ -135,14 +123,14 @@ def test_gradients_match_oracle(backend, case):
     keys get exactly zero gradient and never reach the real ones."""
     dtype, B, Sq, Skv, H, Hkv, D, Dv, n_kv, n_q, kw = case
     dtype = DTYPES[dtype]
-    q, k, v, n, nq = _inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q, seed=3)
+    q, k, v, n, nq = make_inputs_q(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q, seed=3)
     rng = np.random.default_rng(4)
     d_out = rng.standard_normal((B, Sq, H, Dv)).astype(np.float32)
-    real = _real_rows(n_q, Sq)
+    real = real_rows(n_q, Sq)
     d_out_nan = jnp.asarray(np.where(real[:, :, None, None], d_out, np.nan))
     ours = _grads(q, k, v, n, nq, d_out_nan, **kw)
     # The oracle: padding zeroed (its where() would pass NaN cotangents through otherwise).
-    q0, k0, v0, _, _ = _inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q, seed=3, pad=0.0)
+    q0, k0, v0, _, _ = make_inputs_q(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q, seed=3, pad=0.0)
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         ref = _grads(*(jax.device_put(np.asarray(x, np.float32), cpu) for x in (q0, k0, v0)),
@@ -171,12 +159,12 @@ def test_right_padded_causal_prefill_equals_jax_nn(backend, case):
     query_seq_lengths = key_value_seq_lengths (float32 at highest precision: an independent
     implementation of the same mask)."""
     B, S, H, Hkv, D, lens = case
-    q, k, v, n, nq = _inputs(B, S, S, H, Hkv, D, D, jnp.float32, lens, lens, pad=0.0)
+    q, k, v, n, nq = make_inputs_q(B, S, S, H, Hkv, D, D, jnp.float32, lens, lens, pad=0.0)
     with jax.default_matmul_precision("highest"):
         ours = jax_varlen.attention(q, k, v, lens, nonpad_q_seqlen=lens, is_causal=True)
         theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=nq,
                                               key_value_seq_lengths=n)
-    real = _real_rows(lens, S)
+    real = real_rows(lens, S)
     err = np.abs(np.asarray(ours) - np.asarray(theirs))[real].max()
     assert err <= 2e-5, err
     # Without the query counts the short sequences' rows are shifted (tail alignment): the
@@ -198,12 +186,12 @@ def test_deterministic_and_padding_bits_never_matter(backend, case):
     f = jax.jit(functools.partial(jax_varlen.attention, is_causal=True, return_lse=True))
     results = []
     for pad in (np.nan, np.inf, 0.0, np.nan):
-        q, k, v, n, nq = _inputs(B, Sq, Skv, H, Hkv, D, D, dtype, n_kv, n_q, seed=5, pad=pad)
+        q, k, v, n, nq = make_inputs_q(B, Sq, Skv, H, Hkv, D, D, dtype, n_kv, n_q, seed=5, pad=pad)
         out, lse = f(q, k, v, n, nonpad_q_seqlen=nq)
         results.append((bits(out), bits(lse)))
     assert all(r == results[0] for r in results)
     # Sequence 0 alone (B = 1) gives the bits it gives inside the batch.
-    q, k, v, n, nq = _inputs(B, Sq, Skv, H, Hkv, D, D, dtype, n_kv, n_q, seed=5)
+    q, k, v, n, nq = make_inputs_q(B, Sq, Skv, H, Hkv, D, D, dtype, n_kv, n_q, seed=5)
     out, lse = f(q, k, v, n, nonpad_q_seqlen=nq)
     out1, lse1 = f(q[:1], k[:1], v[:1], n[:1], nonpad_q_seqlen=nq[:1])
     assert bits(out1) == bits(out[:1]) and bits(lse1) == bits(lse[:1])
@@ -212,7 +200,7 @@ def test_deterministic_and_padding_bits_never_matter(backend, case):
 @backend_cases("case", {"cpu": {"f32": jnp.float32}, "gpu": {"bf16": jnp.bfloat16}})
 def test_full_counts_equal_no_counts(backend, case):
     """nonpad_q_seqlen = Sq everywhere is today's behaviour (the same oracle result)."""
-    q, k, v, n, nq = _inputs(3, 130, 140, 4, 2, 64, 64, case, [140, 65, 0], [130] * 3, pad=0.0)
+    q, k, v, n, nq = make_inputs_q(3, 130, 140, 4, 2, 64, 64, case, [140, 65, 0], [130] * 3, pad=0.0)
     with_counts = jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq, is_causal=True)
     without = jax_varlen.attention(q, k, v, n, is_causal=True)
     tol = 1e-5 if case == jnp.float32 else 2e-2
@@ -237,7 +225,7 @@ def _stacked(seed, m=2, shared_kv=False, shared_q=False, pad=np.nan):
         n_kv[:] = n_kv[0]
     if shared_q:
         n_q[:] = n_q[0]
-    parts = [_inputs(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, n_kv[e], n_q[e],
+    parts = [make_inputs_q(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, n_kv[e], n_q[e],
                      seed=seed + e, pad=pad) for e in range(m)]
     return [jnp.stack(x) for x in zip(*parts)]
 
@@ -287,7 +275,7 @@ def test_grad_under_vmap_and_jit_with_traced_counts(backend):
 
 
 def test_lengths_as_lists_and_numpy_arrays(backend):
-    q, k, v, n, nq = _inputs(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [12, 3, 7])
+    q, k, v, n, nq = make_inputs_q(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [12, 3, 7])
     want = jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq, is_causal=True)
     for lists in (([20, 5, 0], [12, 3, 7]), (np.array([20, 5, 0]), np.array([12, 3, 7], np.int64)),
                   ((20, 5, 0), (12, 3, 7))):
@@ -299,7 +287,7 @@ def test_lengths_as_lists_and_numpy_arrays(backend):
                                                     r"expected 0 <= n <= Sq = 12"),
                                        ([12, -1, 7], r"nonpad_q_seqlen\[1\] = -1 is out of range")])
 def test_concrete_out_of_range_counts_raise(bad, what):
-    q, k, v, n, _ = _inputs(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [1, 1, 1])
+    q, k, v, n, _ = make_inputs_q(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [1, 1, 1])
     with pytest.raises(ValueError, match=what):
         jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=bad)
     with pytest.raises(ValueError, match=what):  # closed over under jit: still concrete
@@ -312,13 +300,13 @@ def test_concrete_out_of_range_counts_raise(bad, what):
     (jnp.zeros((3, 1), jnp.int32), ValueError),
 ])
 def test_bad_count_arrays_raise_at_trace_time(bad, match):
-    q, k, v, n, _ = _inputs(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [1, 1, 1])
+    q, k, v, n, _ = make_inputs_q(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [1, 1, 1])
     with pytest.raises(match, match="nonpad_q_seqlen"):
         jax.jit(lambda nq: jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq)).trace(bad)
 
 
 def test_checkify_reports_traced_out_of_range_counts(backend):
-    q, k, v, n, _ = _inputs(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [1, 1, 1])
+    q, k, v, n, _ = make_inputs_q(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [1, 1, 1])
 
     def f(nq):
         return jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq, is_causal=True)
@@ -340,7 +328,7 @@ def test_export_round_trip(backend):
     pytest.importorskip("flatbuffers")
     from conftest import EXPORT_PLATFORM
 
-    q, k, v, n, nq = _inputs(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [12, 3, 7])
+    q, k, v, n, nq = make_inputs_q(_B, _SQ, _SKV, _H, _HKV, _D, _D, jnp.float32, [20, 5, 0], [12, 3, 7])
 
     def f(q, k, v, n, nq):
         return jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq, is_causal=True)
@@ -353,21 +341,21 @@ def test_export_round_trip(backend):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_reference_matches_a_loop_from_the_contract(causal):
-    """The oracle itself, against a plain loop over rows written from the contract: row i of
-    sequence b is real iff i < n_q[b], and sees key j iff j < n_kv[b] (and, causal,
-    j <= i + n_kv[b] - n_q[b])."""
+    """The oracle itself, against a plain loop over rows on the contract's mask (conftest's
+    allowed_keys): row i of sequence b is real iff i < n_q[b], and sees key j iff j < n_kv[b]
+    (and, causal, j <= i + n_kv[b] - n_q[b])."""
     B, Sq, Skv, H, Hkv, D = 4, 6, 9, 2, 1, 4
     n_kv, n_q = [9, 4, 0, 2], [6, 2, 3, 5]
-    q, k, v, n, nq = _inputs(B, Sq, Skv, H, Hkv, D, D, jnp.float32, n_kv, n_q, seed=9)
+    q, k, v, n, nq = make_inputs_q(B, Sq, Skv, H, Hkv, D, D, jnp.float32, n_kv, n_q, seed=9)
     out, lse = jax_varlen.reference(q, k, v, n, nonpad_q_seqlen=nq, is_causal=causal,
                                     return_lse=True)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    allowed = allowed_keys(Sq, Skv, n_kv, causal, n_q=n_q)
     for b in range(B):
         for h in range(H):
             for i in range(Sq):
-                keys = [j for j in range(n_kv[b])
-                        if i < n_q[b] and (not causal or j <= i + n_kv[b] - n_q[b])]
-                if not keys:
+                keys = np.flatnonzero(allowed[b, i])
+                if keys.size == 0:
                     assert (np.asarray(out[b, i, h]) == 0).all() and lse[b, h, i] == -np.inf
                     continue
                 s = np.array([q[b, i, h] @ k[b, j, h // (H // Hkv)] for j in keys]) / np.sqrt(D)

@@ -20,34 +20,10 @@ import numpy as np
 import pytest
 
 import jax_varlen
-from conftest import DTYPES, EXPORT_PLATFORM, assert_lse_close, assert_out_close, bits
+from conftest import (DTYPES, EXPORT_PLATFORM, allowed_keys, assert_lse_close, assert_out_close,
+                      backend_cases, bits, make_inputs_q, make_packed, real_rows)
 
 _UNBOUNDED = 10**9  # a window side past every key: that side unbounded
-
-
-def _cases(cpu: dict, gpu: dict):
-    """Parametrizes ``(backend, case)`` like conftest's ``backend_cases``, with each backend's
-    own cases (GPU ones marked gpu)."""
-    params = [pytest.param("cpu", v, id=f"cpu-{k}") for k, v in cpu.items()]
-    params += [pytest.param("gpu", v, id=f"gpu-{k}", marks=[pytest.mark.gpu]) for k, v in gpu.items()]
-    return pytest.mark.parametrize(("backend", "case"), params, indirect=["backend"])
-
-
-def _inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q=None, seed=0, pad=np.nan):
-    """Random query/key/value with keys j >= n_kv[b] (and query rows i >= n_q[b]) set to
-    ``pad``; returns jax arrays (counts int32; n_q None when not given)."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, Sq, H, D), dtype=np.float32)
-    k = rng.standard_normal((B, Skv, Hkv, D), dtype=np.float32)
-    v = rng.standard_normal((B, Skv, Hkv, Dv), dtype=np.float32)
-    for b, n in enumerate(n_kv):
-        k[b, n:] = v[b, n:] = pad
-    if n_q is not None:
-        for b, m in enumerate(n_q):
-            q[b, m:] = pad
-        n_q = jnp.asarray(np.asarray(n_q, np.int32))
-    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
-    return q, k, v, jnp.asarray(np.asarray(n_kv, np.int32)), n_q
 
 
 def _sinks(H, seed=0, scale=2.0):
@@ -75,11 +51,6 @@ def _oracle_hi(q, k, v, n, n_q=None, sinks=None, **kw):
         return np.asarray(out, np.float64), np.asarray(lse, np.float64)
 
 
-def _real_rows(n_q, B, Sq):
-    return (np.ones((B, Sq), bool) if n_q is None
-            else np.arange(Sq)[None, :] < np.asarray(n_q)[:, None])
-
-
 def _check(q, k, v, n, n_q=None, sinks=None, **kw):
     """Ours (with lse) against the float64 oracle; padded query rows zero with lse -inf."""
     out, lse = jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=n_q, sinks=sinks,
@@ -87,7 +58,7 @@ def _check(q, k, v, n, n_q=None, sinks=None, **kw):
     hi_out, hi_lse = _oracle_hi(q, k, v, n, n_q, sinks, **kw)
     assert_out_close(out, hi_out, None, q.dtype)
     assert_lse_close(lse, hi_lse)
-    pad = ~_real_rows(n_q, q.shape[0], q.shape[1])
+    pad = ~real_rows(n_q, q.shape[1], q.shape[0])
     assert (np.asarray(out, np.float32)[pad] == 0).all(), "padded query rows must be zero"
     assert (np.asarray(lse).transpose(0, 2, 1)[pad] == -np.inf).all()
     return out, lse
@@ -125,39 +96,22 @@ _WINDOW = {
 _WINDOW_GPU = {name: _WINDOW[name] for name in ("int-causal", "prefill-q-counts", "bf16-causal")}
 
 
-@_cases(_WINDOW, _WINDOW_GPU)
+@backend_cases("case", {"cpu": _WINDOW, "gpu": _WINDOW_GPU})
 def test_window_forward_matches_oracle(backend, case):
     dtype, B, Sq, Skv, H, Hkv, D, Dv, n_kv, n_q, kw = case
-    q, k, v, n, nq = _inputs(B, Sq, Skv, H, Hkv, D, Dv, DTYPES[dtype], n_kv, n_q)
+    q, k, v, n, nq = make_inputs_q(B, Sq, Skv, H, Hkv, D, Dv, DTYPES[dtype], n_kv, n_q)
     _check(q, k, v, n, nq, **kw)
 
 
 def test_window_changes_the_result():
     """The cases above can fail: a window that cuts keys gives another result than none."""
-    q, k, v, n, _ = _inputs(2, 70, 90, 2, 1, 8, 8, jnp.float32, [90, 33], pad=0.0)
+    q, k, v, n, _ = make_inputs_q(2, 70, 90, 2, 1, 8, 8, jnp.float32, [90, 33], pad=0.0)
     full = jax_varlen.attention(q, k, v, n, is_causal=True)
     windowed = jax_varlen.attention(q, k, v, n, is_causal=True, local_window_size=(10, 0))
     assert float(jnp.abs(full - windowed).max()) > 1e-2
     for wide in ((90, 0), (2**70, 2**70)):  # past every key (and past int64): no window
         assert bits(jax_varlen.attention(q, k, v, n, is_causal=True,
                                          local_window_size=wide)) == bits(full)
-
-
-def _allowed(Sq, Skv, n_kv, n_q, causal, left, right):
-    """allowed[b, i, j], straight from the contract (left/right None: unbounded)."""
-    n = np.asarray(n_kv)[:, None, None]
-    m = np.asarray(n_q)[:, None, None]
-    i = np.arange(Sq)[None, :, None]
-    j = np.arange(Skv)[None, None, :]
-    p = i + n - m
-    ok = (j < n) & (i < m)
-    if causal:
-        ok &= j <= p
-    if left is not None:
-        ok &= j >= p - left
-    if right is not None:
-        ok &= j <= p + right
-    return ok
 
 
 _SIDES = [None, 0, 1, 2, 3]
@@ -198,7 +152,7 @@ def test_mask_bounds_exhaustively(causal):
         window = (_UNBOUNDED if left is None else left, _UNBOUNDED if right is None else right)
         attn = functools.partial(jax_varlen.attention, nonpad_kv_seqlen=n_kv, nonpad_q_seqlen=n_q,
                                  is_causal=causal, local_window_size=window)
-        want = _allowed(S, S, n_kv, n_q, causal, left, right)
+        want = allowed_keys(S, S, n_kv, causal, n_q=n_q, window=(left, right))
         what = f"window ({left}, {right})"
         out, jac, d_q = (np.asarray(x) for x in _forward_and_both_passes(attn, q0, k_onehot,
                                                                           v_eye, v_rand, d_out))
@@ -239,15 +193,15 @@ def _grads(fn, q, k, v, n, n_q, d_out, sinks=None, d_lse=None, **kw):
 def _check_grads(dtype, B, Sq, Skv, H, Hkv, D, Dv, n_kv, n_q, kw, sinks=False, packed=False):
     """Ours (NaN in padded keys, padded query rows and their d_out) against the oracle's
     (padding zeroed, on the CPU); padding gets exactly zero gradient."""
-    q, k, v, n, nq = _inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q, seed=3)
+    q, k, v, n, nq = make_inputs_q(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q, seed=3)
     rng = np.random.default_rng(4)
-    real = _real_rows(n_q, B, Sq)
+    real = real_rows(n_q, Sq, B)
     d_out = rng.standard_normal((B, Sq, H, Dv)).astype(np.float32)
     d_lse = rng.standard_normal((B, H, Sq)).astype(np.float32)
     s = _sinks(H) if sinks else None
     ours = _grads(jax_varlen.attention, q, k, v, n, nq,
                   jnp.asarray(np.where(real[:, :, None, None], d_out, np.nan)), s, d_lse, **kw)
-    q0, k0, v0, _, _ = _inputs(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q, seed=3, pad=0.0)
+    q0, k0, v0, _, _ = make_inputs_q(B, Sq, Skv, H, Hkv, D, Dv, dtype, n_kv, n_q, seed=3, pad=0.0)
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         put = lambda x: None if x is None else jax.device_put(np.asarray(x, np.float32), cpu)  # noqa: E731
@@ -275,7 +229,8 @@ _WINDOW_GRADS = {name: _WINDOW[name] for name in
                   "prefill-q-counts", "q-counts-noncausal")}
 
 
-@_cases(_WINDOW_GRADS, {"prefill-q-counts": _WINDOW["prefill-q-counts"]})
+@backend_cases("case", {"cpu": _WINDOW_GRADS,
+                        "gpu": {"prefill-q-counts": _WINDOW["prefill-q-counts"]}})
 def test_window_gradients_match_oracle(backend, case):
     dtype, B, Sq, Skv, H, Hkv, D, Dv, n_kv, n_q, kw = case
     _check_grads(DTYPES[dtype], B, Sq, Skv, H, Hkv, D, Dv, n_kv, n_q, kw)
@@ -288,12 +243,12 @@ def test_nan_in_a_key_outside_the_window_never_reaches_a_row(where):
     d_query; the rows that allow it are NaN (a key) or NaN in that column (a value)."""
     B, Sq, Skv, H, Hkv, D = 1, 130, 130, 2, 1, 16
     window = (20, 6)
-    q, k, v, n, _ = _inputs(B, Sq, Skv, H, Hkv, D, D, jnp.float32, [130], pad=0.0, seed=5)
+    q, k, v, n, _ = make_inputs_q(B, Sq, Skv, H, Hkv, D, D, jnp.float32, [130], pad=0.0, seed=5)
     j = 70
     bad_k, bad_v = np.array(k), np.array(v)
     (bad_k if where == "key" else bad_v)[0, j, 0, 1] = np.nan
     bad_k, bad_v = jnp.asarray(bad_k), jnp.asarray(bad_v)
-    allowed = _allowed(Sq, Skv, [130], [Sq], False, *window)[0]
+    allowed = allowed_keys(Sq, Skv, [130], False, n_q=[Sq], window=window)[0]
     sees = allowed[:, j]
     assert sees.any() and (~sees[:j]).any() and (~sees[j:]).any()  # rows on both sides miss j
     f = functools.partial(jax_varlen.attention, local_window_size=window)
@@ -310,11 +265,11 @@ def test_nan_in_a_key_outside_the_window_never_reaches_a_row(where):
     np.testing.assert_allclose(got[0, ~sees], clean[0, ~sees], atol=1e-6, rtol=0)
 
 
-@_cases({"f32": jnp.float32}, {"bf16": jnp.bfloat16})
+@backend_cases("case", {"cpu": {"f32": jnp.float32}, "gpu": {"bf16": jnp.bfloat16}})
 def test_window_that_excludes_every_key_gives_empty_rows(backend, case):
     """Window (0, 0) non-causal with Sq > n: rows with p = i + n - Sq < 0 see no key: zero
     output, lse = -inf, zero gradient (lse = sinks[h] with sinks); the others see key p."""
-    q, k, v, n, _ = _inputs(2, 20, 24, 2, 2, 8, 8, case, [5, 0], seed=6)
+    q, k, v, n, _ = make_inputs_q(2, 20, 24, 2, 2, 8, 8, case, [5, 0], seed=6)
     out, lse = jax_varlen.attention(q, k, v, n, local_window_size=0, return_lse=True)
     out, lse = np.asarray(out, np.float32), np.asarray(lse)
     assert (out[0, :15] == 0).all() and (lse[0, :, :15] == -np.inf).all()
@@ -331,8 +286,8 @@ def test_window_that_excludes_every_key_gives_empty_rows(backend, case):
                                   np.broadcast_to(np.asarray(s)[:, None], (2, 15)))
 
 
-@_cases({"f32": ("f32", dict(is_causal=True, local_window_size=(40, 0)))},
-        {"bf16": ("bf16", dict(is_causal=True, local_window_size=(40, 0)))})
+@backend_cases("case", {"cpu": {"f32": ("f32", dict(is_causal=True, local_window_size=(40, 0)))},
+                        "gpu": {"bf16": ("bf16", dict(is_causal=True, local_window_size=(40, 0)))}})
 def test_window_deterministic_and_batch_invariant(backend, case):
     """Two runs, other padding bits (keys and query rows) and another batch give the same
     bits, forward and gradients."""
@@ -343,13 +298,13 @@ def test_window_deterministic_and_batch_invariant(backend, case):
         argnums=(0, 1, 2)))
     results = []
     for pad in (np.nan, np.inf, 0.0, np.nan):
-        q, k, v, n, nq = _inputs(3, 140, 200, 4, 2, 32, 32, DTYPES[dtype], [200, 97, 3],
+        q, k, v, n, nq = make_inputs_q(3, 140, 200, 4, 2, 32, 32, DTYPES[dtype], [200, 97, 3],
                                  [140, 97, 3], seed=7, pad=pad)
         out, lse = f(q, k, v, n, nonpad_q_seqlen=nq)
         grads = g(q, k, v, n, nq)
         results.append((bits(out), bits(lse)) + tuple(bits(x) for x in grads))
     assert all(r == results[0] for r in results)
-    q, k, v, n, nq = _inputs(3, 140, 200, 4, 2, 32, 32, DTYPES[dtype], [200, 97, 3],
+    q, k, v, n, nq = make_inputs_q(3, 140, 200, 4, 2, 32, 32, DTYPES[dtype], [200, 97, 3],
                              [140, 97, 3], seed=7)
     out, lse = f(q, k, v, n, nonpad_q_seqlen=nq)
     out1, lse1 = f(q[1:2], k[1:2], v[1:2], n[1:2], nonpad_q_seqlen=nq[1:2])
@@ -360,17 +315,6 @@ def test_window_deterministic_and_batch_invariant(backend, case):
 # The packed layout.
 
 
-def _packed(lens_q, lens_k, H=4, Hkv=2, D=16, seed=0, tail=3):
-    rng = np.random.default_rng(seed)
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    q = rng.standard_normal((int(cu_q[-1]) + tail, H, D), dtype=np.float32)
-    k = rng.standard_normal((int(cu_k[-1]) + tail, Hkv, D), dtype=np.float32)
-    v = rng.standard_normal((int(cu_k[-1]) + tail, Hkv, D), dtype=np.float32)
-    q[cu_q[-1]:] = k[cu_k[-1]:] = v[cu_k[-1]:] = np.nan
-    return (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cu_q), jnp.asarray(cu_k))
-
-
 _PACKED = {
     "window-causal": (dict(local_window_size=(30, 0), is_causal=True), False),
     "window-pair": (dict(local_window_size=(9, 70)), False),
@@ -379,14 +323,14 @@ _PACKED = {
 }
 
 
-@_cases(_PACKED, _PACKED)
+@backend_cases("case", {"cpu": _PACKED, "gpu": _PACKED})
 def test_packed_matches_oracle_and_padded_bits(backend, case):
     """packed_attention against packed_reference (float64), and bitwise equal to attention
     on the same sequences padded, forward and gradients; rows past the last offset are zero
     with lse -inf (with sinks too)."""
     kw, with_sinks = case
     lens_q, lens_k = [5, 0, 70, 1, 17], [9, 3, 66, 0, 130]
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k)
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, Dv=16, tail_k=3)
     s = _sinks(4) if with_sinks else None
     out, lse = jax_varlen.packed_attention(q, k, v, cu_q, cu_k, sinks=s, return_lse=True, **kw)
     cpu = jax.devices("cpu")[0]
@@ -441,17 +385,16 @@ _SINKS_WINDOW = {"window": ("f32", 2, 130, 150, 4, 2, 16, 16, [150, 61], None,
                             dict(local_window_size=(33, 0), is_causal=True))}
 
 
-@_cases(_SINKS | _SINKS_WINDOW, _SINKS | _SINKS_WINDOW)
+@backend_cases("case", {"cpu": _SINKS | _SINKS_WINDOW, "gpu": _SINKS | _SINKS_WINDOW})
 def test_sinks_forward_matches_oracle(backend, case):
     """Against the oracle, which takes the sink as one more score: real rows with no allowed
     key get lse = sinks[h] and zero output; padded query rows keep lse = -inf."""
     dtype, B, Sq, Skv, H, Hkv, D, Dv, n_kv, n_q, kw = case
-    q, k, v, n, nq = _inputs(B, Sq, Skv, H, Hkv, D, Dv, DTYPES[dtype], n_kv, n_q)
+    q, k, v, n, nq = make_inputs_q(B, Sq, Skv, H, Hkv, D, Dv, DTYPES[dtype], n_kv, n_q)
     s = _sinks(H)
     out, lse = _check(q, k, v, n, nq, sinks=s, **kw)
-    empty = ~_allowed(Sq, Skv, n_kv, n_q if n_q is not None else [Sq] * B,
-                      kw.get("is_causal", False), *(kw.get("local_window_size") or (None, None))
-                      ).any(-1) & _real_rows(n_q, B, Sq)  # [B, Sq]
+    empty = ~allowed_keys(Sq, Skv, n_kv, kw.get("is_causal", False), n_q=n_q,
+                          window=kw.get("local_window_size")).any(-1) & real_rows(n_q, Sq, B)  # [B, Sq]
     lse_rows = np.asarray(lse).transpose(0, 2, 1)  # [B, Sq, H]
     np.testing.assert_array_equal(lse_rows[empty], np.broadcast_to(np.asarray(s), lse_rows[empty].shape))
     # ... and without sinks the same inputs give another result (the check above can fail).
@@ -464,9 +407,10 @@ def test_sinks_forward_matches_oracle(backend, case):
     assert name in jaxpr
 
 
-@_cases({name: _SINKS[name] for name in ("noncausal", "causal-empty-rows", "q-counts")}
-        | _SINKS_WINDOW,
-        {name: _SINKS[name] for name in ("q-counts", "bf16")} | _SINKS_WINDOW)
+@backend_cases("case", {
+    "cpu": {name: _SINKS[name] for name in ("noncausal", "causal-empty-rows", "q-counts")}
+    | _SINKS_WINDOW,
+    "gpu": {name: _SINKS[name] for name in ("q-counts", "bf16")} | _SINKS_WINDOW})
 def test_sinks_gradients_match_oracle(backend, case):
     """d_query, d_key, d_value and d_sinks (through out and lse) against the oracle's, with NaN
     in padded keys, padded query rows and their d_out; all finite."""
@@ -480,7 +424,7 @@ def test_d_sinks_formula_and_finite_differences():
     central differences of the loss in sinks (error O(h^4) + eps * |loss| / h)."""
     with jax.default_device(jax.devices("cpu")[0]):
         B, Sq, Skv, H, Hkv, D = 3, 12, 20, 4, 2, 8
-        q, k, v, n, nq = _inputs(B, Sq, Skv, H, Hkv, D, D, jnp.float32, [20, 5, 0], [12, 3, 7],
+        q, k, v, n, nq = make_inputs_q(B, Sq, Skv, H, Hkv, D, D, jnp.float32, [20, 5, 0], [12, 3, 7],
                                  seed=8, pad=0.0)
         s = _sinks(H, seed=9, scale=1.0)
         rng = np.random.default_rng(10)
@@ -496,7 +440,7 @@ def test_d_sinks_formula_and_finite_differences():
         out, lse = jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq, is_causal=True, sinks=s,
                                         return_lse=True)
         out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
-        real = _real_rows(nq, B, Sq)[:, None, :]  # [B, 1, Sq]
+        real = real_rows(nq, Sq, B)[:, None, :]  # [B, 1, Sq]
         delta = np.einsum("bqhd,bqhd->bhq", np.asarray(d_out, np.float64), out) - np.asarray(d_lse)
         weight = np.where(real, np.exp(np.asarray(s, np.float64)[None, :, None]
                                        - np.where(real, lse, 0.0)), 0.0)
@@ -524,14 +468,15 @@ def _t_inputs(seed, m=2, pad=np.nan):
     for e in range(m):
         n_kv = rng.integers(1, _T["Skv"] + 1, _T["B"])
         n_q = rng.integers(0, _T["Sq"] + 1, _T["B"])
-        parts.append(_inputs(_T["B"], _T["Sq"], _T["Skv"], _T["H"], _T["Hkv"], _T["D"], _T["D"],
+        parts.append(make_inputs_q(_T["B"], _T["Sq"], _T["Skv"], _T["H"], _T["Hkv"], _T["D"], _T["D"],
                              jnp.float32, n_kv, n_q, seed=seed + e, pad=pad))
     return [jnp.stack(x) for x in zip(*parts)]
 
 
-@_cases({"window": dict(local_window_size=(3, 1), is_causal=True), "sinks": dict(sinks=True),
-         "both": dict(local_window_size=4, sinks=True)},
-        {"window": dict(local_window_size=(3, 1), is_causal=True), "sinks": dict(sinks=True)})
+@backend_cases("case", {
+    "cpu": {"window": dict(local_window_size=(3, 1), is_causal=True), "sinks": dict(sinks=True),
+            "both": dict(local_window_size=4, sinks=True)},
+    "gpu": {"window": dict(local_window_size=(3, 1), is_causal=True), "sinks": dict(sinks=True)}})
 def test_jit_vmap_grad(backend, case):
     """vmap (sinks batched too) equals the per-element calls; jit with the window static and
     sinks traced; vmap of grad (d_sinks included) equals the oracle's."""
@@ -602,11 +547,12 @@ def test_sinks_under_remat_scan_and_forward_mode(backend):
         jax.jvp(lambda s: layer(x0, s), (sinks[0],), (sinks[0],))
 
 
-@_cases({"window": dict(local_window_size=(3, 1), is_causal=True),
-         "sinks": dict(sinks=True, is_causal=True),
-         "packed-window-sinks": dict(local_window_size=2, sinks=True, packed=True)},
-        {"window": dict(local_window_size=(3, 1), is_causal=True),
-         "sinks": dict(sinks=True, is_causal=True)})
+@backend_cases("case", {
+    "cpu": {"window": dict(local_window_size=(3, 1), is_causal=True),
+            "sinks": dict(sinks=True, is_causal=True),
+            "packed-window-sinks": dict(local_window_size=2, sinks=True, packed=True)},
+    "gpu": {"window": dict(local_window_size=(3, 1), is_causal=True),
+            "sinks": dict(sinks=True, is_causal=True)}})
 def test_export_round_trip(backend, case):
     """jax.export of forward and gradients (d_sinks included): the deserialized call gives
     the same bits."""
@@ -615,13 +561,13 @@ def test_export_round_trip(backend, case):
     with_sinks, packed = kw.pop("sinks", False), kw.pop("packed", False)
     s = _sinks(4, seed=3) if with_sinks else jnp.zeros((4,))
     if packed:
-        q, k, v, cu_q, cu_k = _packed([5, 0, 7], [9, 3, 4])
+        q, k, v, cu_q, cu_k = make_packed([5, 0, 7], [9, 3, 4], Dv=16, tail_k=3)
 
         def f(q, k, v, s):
             return jax_varlen.packed_attention(q, k, v, cu_q, cu_k,
                                                sinks=s if with_sinks else None, **kw)
     else:
-        q, k, v, n, nq = _inputs(3, 12, 20, 4, 2, 8, 8, jnp.float32, [20, 5, 1], [12, 3, 7])
+        q, k, v, n, nq = make_inputs_q(3, 12, 20, 4, 2, 8, 8, jnp.float32, [20, 5, 1], [12, 3, 7])
 
         def f(q, k, v, s):
             return jax_varlen.attention(q, k, v, n, nonpad_q_seqlen=nq,
@@ -645,7 +591,7 @@ def test_calls_without_window_attributes_still_run():
     from jax_varlen import _ffi
 
     _ffi.extension()
-    q, k, v, n, _ = _inputs(2, 5, 7, 2, 1, 4, 4, jnp.float32, [7, 3], pad=0.0)
+    q, k, v, n, _ = make_inputs_q(2, 5, 7, 2, 1, 4, 4, jnp.float32, [7, 3], pad=0.0)
     call = jax.ffi.ffi_call(_ffi.CPU_TARGET, (jax.ShapeDtypeStruct((2, 5, 2, 4), jnp.float32),
                                               jax.ShapeDtypeStruct((2, 2, 5), jnp.float32)))
     out, lse = call(q, k, v, n, scale=np.float32(0.5), is_causal=True, softcap=np.float32(0.0))
