@@ -132,10 +132,10 @@ __global__ void __launch_bounds__(Tr::kConsumerThreads) bwd_sm90_dq_kernel(const
   const int2 seen_blocks = blk.key_blocks(p, m);
   const bool seen = seen_blocks.y > seen_blocks.x;
   const float* src = bp.dq_accum + blk.dq_unit(p, num_slots, h, m) * (kBlockM * kHeadDim) +
-                     (ct / 128) * Tr::kDqHalf + 4 * (ct % 128);
+                     (ct / kWarpgroupThreads) * Tr::kDqHalf + 4 * (ct % kWarpgroupThreads);
 #pragma unroll
   for (int i = 0; i < kQ; i += 4) {
-    const float4 v = seen ? __ldcs(reinterpret_cast<const float4*>(src + i * 128)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4 v = seen ? __ldcs(reinterpret_cast<const float4*>(src + i * kWarpgroupThreads)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const float vals[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int j = 0; j < 4; j += 2) {  // values i + j and i + j + 1: adjacent columns of one row

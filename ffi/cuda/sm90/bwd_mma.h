@@ -37,7 +37,8 @@ struct BwdConsumerSteps {
   int ct, lane, wg;
 
   __device__ __forceinline__ BwdConsumerSteps(const BwdKernelParams<Tr>& kp, BwdSharedStorage<Tr>& ss)
-      : kp(kp), p(kp.bp.fwd), ss(ss), ct(threadIdx.x - 128), lane(threadIdx.x % 32), wg((threadIdx.x - 128) / 128) {}
+      : kp(kp), p(kp.bp.fwd), ss(ss), ct(threadIdx.x - kWarpgroupThreads), lane(threadIdx.x % 32),
+        wg((threadIdx.x - kWarpgroupThreads) / kWarpgroupThreads) {}
 
   // This warp's arrival on bar, once all its lanes are there.
   __device__ __forceinline__ void release(uint64_t* bar) const {
@@ -69,13 +70,13 @@ struct BwdConsumerSteps {
   // threads.
   template <typename TQ>
   __device__ __forceinline__ void zero_q_tail(TQ& sQ, TQ& sdO, int s, int rows) const {
-    for (int idx = ct % 128; idx < (kBlockM - rows) * kChunks; idx += 128) {
+    for (int idx = ct % kWarpgroupThreads; idx < (kBlockM - rows) * kChunks; idx += kWarpgroupThreads) {
       const int r = rows + idx / kChunks, c = (idx % kChunks) * 8;
       *reinterpret_cast<uint4*>(&sQ(r, c, s)) = make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(&sdO(r, c, s)) = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();
-    named_sync(int(BwdBarrier::kOwnWg0) + wg, 128);
+    named_sync(int(BwdBarrier::kOwnWg0) + wg, kWarpgroupThreads);
   }
 };
 
@@ -94,11 +95,11 @@ struct BwdMma : BwdConsumerSteps<Tr> {
   // v of thread wt at (v / 4) * 512 + 4 wt + v % 4), then handed to the writer on `full`.
   template <typename TdQ>
   __device__ __forceinline__ void hand_dq(float* half, uint64_t* full, const TdQ& tdQrdQ) const {
-    const int wt = ct % 128;
+    const int wt = ct % kWarpgroupThreads;
     constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
 #pragma unroll
     for (int i = 0; i < kQ; i += 4)
-      *reinterpret_cast<float4*>(half + 4 * wt + i * 128) =
+      *reinterpret_cast<float4*>(half + 4 * wt + i * kWarpgroupThreads) =
           make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
     cutlass::arch::fence_view_async_shared();
     release(full);

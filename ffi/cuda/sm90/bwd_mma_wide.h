@@ -47,11 +47,11 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
     constexpr int kQ = decltype(size(tdQrdQ))::value;  // kDqHalf / 128
     const bool first = blk.key_blocks(p, m).y - 1 == blk.n_block;
     float* half = this->kp.bp.dq_accum + blk.dq_unit(p, this->kp.num_slots, h, m) * (kBlockM * kHeadDim) +
-                  wg * Tr::kDqHalf + 4 * (ct % 128);
+                  wg * Tr::kDqHalf + 4 * (ct % kWarpgroupThreads);
     named_sync(int(BwdBarrier::kDqTurn), kDqThreads<Tr>);
 #pragma unroll
     for (int i = 0; i < kQ; i += 4) {
-      float* dst = half + i * 128;
+      float* dst = half + i * kWarpgroupThreads;
       if (first)
         asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(tdQrdQ(i)), "f"(tdQrdQ(i + 1)),
                      "f"(tdQrdQ(i + 2)), "f"(tdQrdQ(i + 3)) : "memory");
@@ -68,7 +68,7 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
   __device__ __forceinline__ void mma(const BwdBlock<kBlockM, kBlockN>& blk, PipelineState<kStages>& pipe,
                                       TdK& tdKrdK, TdV& tdVrdV) const {
     const int key0 = blk.key0(), len_q = blk.len_q, n = blk.n;
-    const int wt = ct % 128;  // thread of its warpgroup
+    const int wt = ct % kWarpgroupThreads;  // thread of its warpgroup
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(ss.d_out.data()), typename Tr::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});

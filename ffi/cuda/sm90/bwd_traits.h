@@ -23,12 +23,12 @@ struct BwdTraits {
   static constexpr int kStages = 2;
   static constexpr bool kDqStaged = !kWide;  // dQ partials go through shared memory to the writer
   static constexpr int kDqBuffers = 2;       // kDqStaged: dQ partial buffers between consumers and writer
-  static constexpr int kConsumerThreads = 256;
+  static constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
-  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kThreads = kWarpgroupThreads + kConsumerThreads;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= register_pool(kThreads),
+  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= register_pool(kThreads),
                 "setmaxnreg past the launch's registers deadlocks (common.h, register_pool)");
 
   using SplitM = Layout<Shape<_2, _1, _1>>;  // warpgroups split the keys
@@ -222,7 +222,7 @@ constexpr int kDqThreads = Tr::kConsumerThreads + 32;
 // (bwd_mma.h).
 enum class BwdRole { kProducer, kDqWriter, kIdle, kConsumer };
 __device__ __forceinline__ BwdRole bwd_role() {
-  if (threadIdx.x >= 128) return BwdRole::kConsumer;
+  if (threadIdx.x >= kWarpgroupThreads) return BwdRole::kConsumer;
   const int warp = threadIdx.x / 32;
   return warp == 0 ? BwdRole::kProducer : warp == 1 ? BwdRole::kDqWriter : BwdRole::kIdle;
 }

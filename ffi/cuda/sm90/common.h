@@ -25,6 +25,9 @@ namespace jax_varlen::cuda::sm90 {
 
 using namespace cute;
 
+// Threads of a warpgroup (the unit of wgmma, setmaxnreg and the kernels' roles).
+constexpr int kWarpgroupThreads = cutlass::NumThreadsPerWarpGroup;
+
 template <typename Elem> struct CutlassElem;
 template <> struct CutlassElem<__half> { using type = cutlass::half_t; };
 template <> struct CutlassElem<__nv_bfloat16> { using type = cutlass::bfloat16_t; };

@@ -74,9 +74,9 @@ struct FwdMma {
   // its first thread, a warp-uniform value (the shuffle says so to the compiler), so they stay
   // in uniform registers instead of being copied there before every product (R2UR).
   __device__ __forceinline__ FwdMma(FwdSharedStorage<Tr>& ss, int ct)
-      : FwdMma(ss, ct, __shfl_sync(0xffffffff, ct / 128, 0) * 128) {}
+      : FwdMma(ss, ct, __shfl_sync(0xffffffff, ct / kWarpgroupThreads, 0) * kWarpgroupThreads) {}
   __device__ __forceinline__ FwdMma(FwdSharedStorage<Tr>& ss, int ct, int wg_thread0)
-      : ss(ss), ct(ct), cwg(ct / 128), warp_leader(threadIdx.x % 32 == 0),
+      : ss(ss), ct(ct), cwg(ct / kWarpgroupThreads), warp_leader(threadIdx.x % 32 == 0),
         sVt(make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutVt{})),
         tSrQ(mma_qk.get_thread_slice(wg_thread0).partition_fragment_A(sQ())),
         tSrK(mma_qk.get_thread_slice(wg_thread0).partition_fragment_B(sK())),
@@ -105,10 +105,10 @@ struct FwdMma {
   // waits for the other), then each fences its writes for wgmma and syncs its own 128 threads.
   __device__ void zero_v_tail(int s, int rows, int end) const {
     constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of one V row
-    for (int idx = ct % 128; idx < (end - rows) * kChunks; idx += 128)
+    for (int idx = ct % kWarpgroupThreads; idx < (end - rows) * kChunks; idx += kWarpgroupThreads)
       *reinterpret_cast<uint4*>(&sVt((idx % kChunks) * 8, rows + idx / kChunks, s)) = make_uint4(0, 0, 0, 0);
     cutlass::arch::fence_view_async_shared();
-    named_sync(int(FwdBarrier::kZeroWg0) + cwg, 128);
+    named_sync(int(FwdBarrier::kZeroWg0) + cwg, kWarpgroupThreads);
   }
 
   __device__ __forceinline__ FwdRows thread_rows(const AttentionParams& p, const Unit& w) const {

@@ -119,10 +119,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   const int num_units = Sched::num_units(p, kp.num_units, ss.sched);  // work-proportional
   using Units = UnitSource<Tr, kDynamic>;
 
-  const FwdRole role = threadIdx.x < 128 ? FwdRole::kProducer : FwdRole::kConsumer;
-  if (role == FwdRole::kProducer) {
+  const FwdRole role = fwd_role<kPaged>();
+  if (role != FwdRole::kConsumer) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (threadIdx.x >= 32 && !kPaged) {
+    if (role == FwdRole::kFill) {
       // Warps 1-3 have no load to issue: they zero the packed layout's unowned query rows (out,
       // lse) while the consumers compute, so dispatch.cu runs no fill kernel before this one.
       if (p.cu_seqlens_q != nullptr) fill_out_by_grid(p, threadIdx.x / 32 - 1, Tr::kProducerWarps - 1);
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   }
 
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
-  const int ct = threadIdx.x - 128;  // 0..255
+  const int ct = threadIdx.x - kWarpgroupThreads;  // 0..255
   FwdMma<Tr, kSoftcap> mainloop(ss, ct);
   const FwdEpilogue<Tr> epilogue(p, ct);
   mainloop.begin_turns();

@@ -17,15 +17,15 @@ struct FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = 2;
   static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
-  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kThreads = kWarpgroupThreads + kConsumerThreads;
   static constexpr int kProducerWarps = 4;  // warpgroup 0: warp 0 loads; all 4 gather a paged call's pages
   // 128 * producer + 256 * consumer registers <= the launch's 64512 (common.h, register_pool);
   // wider key tiles need the last 8.
   static constexpr int kProducerRegs = kBlockN > 128 ? 24 : 40;
   static constexpr int kConsumerRegs = kBlockN > 128 ? 240 : 232;
-  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= register_pool(kThreads),
+  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= register_pool(kThreads),
                 "setmaxnreg past the launch's registers deadlocks (common.h, register_pool)");
   // Whether lean kernels (idle warpgroups, unit hand-over) exist for these traits: plan/limits.h
   // decides, for the plan too (the others would spill inside the mainloop, benchmarks/NOTES.md).
@@ -109,8 +109,14 @@ struct FwdKernelParams {
   int num_units;     // batch * num_heads * num_m_blocks: the list's slots (tile_scheduler.h)
 };
 
-// Thread roles: warpgroup 0 is the producer's (its warp 0 loads, the others exit), warpgroups
-// 1 and 2 are the consumers.
-enum class FwdRole { kProducer, kConsumer };
+// Thread roles: warpgroup 0 is the producer's -- its warp 0 loads (fwd_load.h; all four warps
+// gather a paged call's pages by cp.async), its warps 1-3 otherwise fill (zero the packed
+// layout's unowned query rows, then exit) --, warpgroups 1 and 2 are the consumers (fwd_mma.h).
+enum class FwdRole { kProducer, kFill, kConsumer };
+template <bool kPaged>
+__device__ __forceinline__ FwdRole fwd_role() {
+  if (threadIdx.x >= kWarpgroupThreads) return FwdRole::kConsumer;
+  return kPaged || threadIdx.x < 32 ? FwdRole::kProducer : FwdRole::kFill;
+}
 
 }  // namespace jax_varlen::cuda::sm90
