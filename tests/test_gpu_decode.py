@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_varlen
 from conftest import (
-    assert_lse_close,
-    assert_out_close,
     bits,
     check_against_oracle,
     make_inputs,
-    oracle_hi,
 )
 
 
@@ -76,33 +72,3 @@ def test_decode_long_cache(Sq):
     both = f(q, k, v, n)
     alone = f(q[1:2], k[1:2], v[1:2], n[1:2])
     assert bits(alone[0][0]) == bits(both[0][1]) and bits(alone[1][0]) == bits(both[1][1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("warps", ["4", "2", "1"])
-@pytest.mark.parametrize("Sq,window,paged", [(5, (700, 0), False), (1, None, True)],
-                         ids=["spec5-window", "paged"])
-def test_warps_per_block_match_the_oracle(monkeypatch, warps, Sq, window, paged):
-    """JAX_VARLEN_SPLIT_WARPS (fwd_split.cuh, an experiment): the split kernel's blocks of four,
-    two or one warps all match the oracle and repeat bitwise. 70 sequences of 0, 1, whole
-    chunks, a chunk and one, and random key counts; pages of 64 rows stored backwards."""
-    rng = np.random.default_rng(Sq)
-    lengths = [0, 1, 1024, 1025, 2048, 3072] + [int(x) for x in rng.integers(0, 3073, 64)]
-    B, Skv = len(lengths), 3072
-    q, k, v, n = make_inputs(B, Sq, Skv, 8, 2, 128, 128, jnp.bfloat16, lengths, seed=Sq)
-    kw = dict(is_causal=True, local_window_size=window)
-    if paged:
-        pages = Skv // 64
-        cache = lambda x: x.reshape(B, pages, 64, *x.shape[2:])[:, ::-1].reshape(B * pages, 64, *x.shape[2:])
-        table = (jnp.arange(B)[:, None] * pages + (pages - 1 - jnp.arange(pages))[None]).astype(jnp.int32)
-        f = jax.jit(lambda q, n: jax_varlen.paged_attention(q, cache(k), cache(v), table, n,
-                                                            return_lse=True, **kw))
-    else:
-        f = jax.jit(lambda q, n: jax_varlen.attention(q, k, v, n, return_lse=True, **kw))
-    monkeypatch.setenv("JAX_VARLEN_SPLIT_WARPS", warps)  # read at each launch
-    out, lse = jax.block_until_ready(f(q, n))
-    again = jax.block_until_ready(f(q, n))
-    assert bits(out) == bits(again[0]) and bits(lse) == bits(again[1])
-    hi_out, hi_lse = oracle_hi(q, k, v, n, return_lse=True, **kw)
-    assert_out_close(out, hi_out, None, jnp.bfloat16)
-    assert_lse_close(lse, hi_lse)

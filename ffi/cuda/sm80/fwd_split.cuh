@@ -5,8 +5,8 @@
 // heads of a kv-head group side by side (block_info.h), so each K/V byte is read once per
 // kv head. A block takes the keys [split * split_keys, (split + 1) * split_keys) of its
 // sequence, clipped to the block's last allowed key; splits past it exit at once. Inside the
-// block each warp is its own mainloop team (mainloop.h): warp w takes tiles w, w + kWarps, ...
-// through a private two-stage cp.async ring, with Q held in registers. The warps' softmax
+// block each warp is its own mainloop team (mainloop.h): warp w takes tiles w, w + 4, ...
+// through a private two-stage cp.async ring, with Q held in registers. The four warps' softmax
 // states are merged in shared memory, and the block writes a normalized fp32 partial output
 // and a base-2 lse (layout: sm80/split_layout.h), then counts itself on its row block's
 // counter; the last of the row block's splits to arrive merges the splits of each of its rows
@@ -32,20 +32,18 @@
 
 namespace jax_varlen::cuda::sm80 {
 
-template <int kHeadDim_, int kBlockN_ = (kHeadDim_ <= 64 ? 32 : 16), int kWarps_ = 4>
+template <int kHeadDim_, int kBlockN_ = (kHeadDim_ <= 64 ? 32 : 16)>
 struct SplitTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kWarps = kWarps_;
+  static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16;                           // packed rows per block (one MMA tile)
   static_assert(kRows == kSplitRowBlock, "the workspace pads rows to whole blocks (limits.h)");
   static constexpr int kBlockN = kBlockN_;  // keys per warp tile
-  // Registers capped at 170 for D <= 128 (twelve warps' worth per SM: three blocks of four, six
-  // of two, twelve of one); 68 KB four-warp blocks (kBlockN * kHeadDim <= 2048: d64 on 32-key
-  // tiles, d128 on 16) fit three per SM, 36 KB two-warp blocks six, 20 KB one-warp blocks
-  // eleven. d128 on 32-key tiles was 132 KB, one block per SM, and 1.06x slower on decode-paged
-  // (H100, benchmarks/NOTES.md, call f1).
-  static constexpr int kMinBlocksPerSm = kHeadDim <= 128 ? 12 / kWarps : 1;
+  // Registers capped at 170 for D <= 128 (three blocks' worth); 68 KB blocks (kBlockN * kHeadDim
+  // <= 2048: d64 on 32-key tiles, d128 on 16) fit three per SM. d128 on 32-key tiles was 132 KB,
+  // one block per SM, and 1.06x slower on decode-paged (H100, benchmarks/NOTES.md, call f1).
+  static constexpr int kMinBlocksPerSm = kHeadDim <= 128 ? 3 : 1;
   // Each warp is a team with a two-stage ring, Q in registers.
   using Mainloop = MainloopTraits<kHeadDim, /*kMTiles=*/1, kBlockN, /*kKeyStep=*/kWarps * kBlockN, /*kStages=*/2,
                                   /*kTeamThreads=*/32, /*kQInRegisters=*/true>;
@@ -125,7 +123,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
   mainloop<Ml, kSoftcap>(sQ, 0, rings + warp * (Ml::kRingBytes / sizeof(Elem)), kv, keys, first, limit, min_limit,
                          int(blk.max_first), ScoreScale(p.scale, p.softcap), acc);
 
-  // Merge the warps: each writes (m, l, o) of its 16 rows, then the block combines.
+  // Merge the four warps: each writes (m, l, o) of its 16 rows, then the block combines.
   cp_async_wait_all();
   __syncthreads();
   float* so = reinterpret_cast<float*>(rings);         // [kWarps, kRows, kHeadDim]
@@ -209,19 +207,8 @@ cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// JAX_VARLEN_SPLIT_WARPS=2 or 1 (an experiment, D <= 128): blocks of two warps, six per SM (or
-// one warp, eleven per SM) instead of four, three per SM -- about the same warps per SM, with
-// each block's prologue and epilogue (no loads in flight) overlapped by more other blocks.
 template <typename Elem, int kHeadDim>
 cudaError_t run_fwd_split(const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (kHeadDim <= 128) {
-    const char* env = std::getenv("JAX_VARLEN_SPLIT_WARPS");
-    constexpr int kBlockN = SplitTraits<kHeadDim>::kBlockN;
-    if (env != nullptr && env[0] == '2' && env[1] == '\0')
-      return run_fwd_split_with<Elem, kHeadDim, SplitTraits<kHeadDim, kBlockN, 2>>(p, stream);
-    if (env != nullptr && env[0] == '1' && env[1] == '\0')
-      return run_fwd_split_with<Elem, kHeadDim, SplitTraits<kHeadDim, kBlockN, 1>>(p, stream);
-  }
   return run_fwd_split_with<Elem, kHeadDim, SplitTraits<kHeadDim>>(p, stream);
 }
 
