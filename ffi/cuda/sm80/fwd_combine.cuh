@@ -90,4 +90,30 @@ __device__ __forceinline__ void combine_row(const AttentionParams& p, int64_t b,
   if (lane == 0) p.lse[seq.lse_index(p, h, i)] = fin.lse;
 }
 
+// Column col of packed row r of (sequence b, kv head g) when its row block's keys all lie in one
+// split: combine_row's arithmetic for a row of one split, on the split block's own normalized
+// partial o_part and base-2 lse_part (or of none: has_keys false), so that out and lse are
+// bitwise what writing the partial and merging it would give, without the partial's store, the
+// fence, the count and the re-read (four dependent steps of every short sequence's block).
+template <typename Elem>
+__device__ __forceinline__ void finish_one_split(const AttentionParams& p, const SeqlenInfo& seq, int64_t g,
+                                                 int64_t r, int col, bool has_keys, float o_part, float lse_part) {
+  const int64_t group = p.num_heads / p.kv_num_heads;
+  const int64_t i = r / group, h = g * group + r % group;
+  Elem* out = static_cast<Elem*>(p.out) + seq.out_index(p, i, h);
+  if (!has_keys) {  // no allowed key: zeros, lse = -inf (the sink's logit)
+    out[col] = Elem(0.0f);
+    if (col == 0) p.lse[seq.lse_index(p, h, i)] = empty_row_lse(p, h);
+    return;
+  }
+  const float mx = max_nan(-INFINITY, lse_part);  // combine_row's max and sum over one split
+  const float m_use = mx == -INFINITY ? 0.0f : mx;
+  const float wgt = exp2_approx(lse_part - m_use);
+  float acc = 0.0f;
+  acc += wgt * o_part;
+  const RowFinish fin = finish_row</*kBase2=*/true>(mx, 0.0f + wgt, sink_of(p, h));
+  out[col] = Elem(acc * fin.inv);
+  if (col == 0) p.lse[seq.lse_index(p, h, i)] = fin.lse;
+}
+
 }  // namespace jax_varlen::cuda::sm80

@@ -148,20 +148,15 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
   }
   __syncthreads();
 
-  const int64_t part = split_partial(p, b, g, split, blk.row_begin);
-  float* o_part = split_o_part(p) + part * p.head_dim_v;
-  float* lse_part = split_lse_part(p) + part;
-  const int rows_here = int(blk.row_end - blk.row_begin);  // padding rows are never read
-  for (int idx = threadIdx.x; idx < rows_here * p.head_dim_v; idx += Tr::kThreads) {
-    const int row = idx / int(p.head_dim_v), col = idx % int(p.head_dim_v);
-    if (!has_keys[row]) continue;  // never read: the combine visits a row's own splits only
+  // Row `row`'s state over the block's warps, normalized, at column col: (o / l, base-2 lse). A
+  // warp that saw no allowed key has l = 0 and m = -inf: weight 0. NaN in real data keeps sum
+  // and o NaN, and the combine propagates it. A sum of exactly 0 (every score of the split
+  // -inf, e.g. from an Inf key) is a partial of weight 0: lse -inf, and o 0 rather than 0/0,
+  // so that it adds nothing to a row whose other splits have keys.
+  auto merged = [&](int row, int col, float& o_n, float& lse_n) {
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w) mx = fmaxf(mx, sm[w * Tr::kRows + row]);
-    // A warp that saw no allowed key has l = 0 and m = -inf: weight 0. NaN in real data keeps
-    // sum and o NaN, and the combine propagates it. A sum of exactly 0 (every score of the
-    // split -inf, e.g. from an Inf key) is a partial of weight 0: lse -inf, and o 0 rather
-    // than 0/0, so that it adds nothing to a row whose other splits have keys.
     const float m_use = mx == -INFINITY ? 0.0f : mx;
     float sum = 0.0f, o = 0.0f;
 #pragma unroll
@@ -170,8 +165,31 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
       sum += sl[w * Tr::kRows + row] * wgt;
       o += so[(w * Tr::kRows + row) * kHeadDim + col] * wgt;
     }
-    o_part[int64_t(row) * p.head_dim_v + col] = sum == 0.0f ? 0.0f : o / sum;
-    if (col == 0) lse_part[row] = mx + log2f(sum);
+    o_n = sum == 0.0f ? 0.0f : o / sum;
+    lse_n = mx + log2f(sum);
+  };
+  const int rows_here = int(blk.row_end - blk.row_begin);  // padding rows are never read
+  if (splits_here == 1) {
+    // The only split of its row block (a sequence's keys within one chunk, as most of a ragged
+    // decode batch's are) writes out and lse itself (fwd_combine.cuh, finish_one_split).
+    for (int idx = threadIdx.x; idx < rows_here * p.head_dim_v; idx += Tr::kThreads) {
+      const int row = idx / int(p.head_dim_v), col = idx % int(p.head_dim_v);
+      float o_n = 0.0f, lse_n = 0.0f;
+      if (has_keys[row]) merged(row, col, o_n, lse_n);
+      finish_one_split<Elem>(p, seq, g, blk.row_begin + row, col, has_keys[row], o_n, lse_n);
+    }
+    return;
+  }
+  const int64_t part = split_partial(p, b, g, split, blk.row_begin);
+  float* o_part = split_o_part(p) + part * p.head_dim_v;
+  float* lse_part = split_lse_part(p) + part;
+  for (int idx = threadIdx.x; idx < rows_here * p.head_dim_v; idx += Tr::kThreads) {
+    const int row = idx / int(p.head_dim_v), col = idx % int(p.head_dim_v);
+    if (!has_keys[row]) continue;  // never read: the combine visits a row's own splits only
+    float o_n, lse_n;
+    merged(row, col, o_n, lse_n);
+    o_part[int64_t(row) * p.head_dim_v + col] = o_n;
+    if (col == 0) lse_part[row] = lse_n;
   }
 
   // Arrive: the partial is written (each thread's stores visible GPU-wide before the count, as
