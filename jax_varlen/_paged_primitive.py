@@ -69,8 +69,6 @@ def takes(query_shape, dtype, key_cache, value_cache, max_pages: int) -> bool:
     Hopper forward with ``JAX_VARLEN_PAGED_SM90=1``: GPU tests pass on an H100, opt-in as it
     measured 2.6x slower than gathering, benchmarks/NOTES.md) and ``page_size`` a multiple of
     16."""
-    if dtype not in (jnp.float16, jnp.bfloat16):
-        return False  # the plan's first condition, without asking it for a dtype it rejects
     plan = _plan(query_shape, dtype, key_cache.shape, value_cache.shape[-1], max_pages)
     return not plan["unsupported"]
 

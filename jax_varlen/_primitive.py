@@ -232,13 +232,12 @@ def cuda_plan(avals_in, config: AttentionConfig) -> dict:
 
     if not jax.export.is_symbolic_dim(pack_seqs):
         return ask(pack_seqs)
-    # A symbolic number of sequences per pack (jax.export): every workspace is affine in it
-    # (plan.h: split-KV partials per sequence, one more dQ slot per sequence), so the plans
-    # at 1 and 2 give its size as an expression; the handler plans the concrete count.
-    one, two = ask(1), ask(2)
-    plan = dict(one)
-    for name in ("fwd_workspace_per_pack", "dq_workspace_per_pack"):
-        plan[name] = one[name] + (pack_seqs - 1) * (two[name] - one[name])
+    # A symbolic number of sequences per pack (jax.export): the plan at one sequence and each
+    # workspace's growth per sequence (plan.h) give its size as an expression; the handler plans
+    # the concrete count.
+    plan = ask(1)
+    for name in ("fwd", "dq"):
+        plan[f"{name}_workspace_per_pack"] += (pack_seqs - 1) * plan[f"{name}_workspace_per_seq"]
     return plan
 
 

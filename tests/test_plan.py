@@ -173,6 +173,20 @@ def test_lean_units_where_the_kernels_have_them(monkeypatch):
         assert not p["lean_units"] and not p["dynamic_units"]
 
 
+@pytest.mark.parametrize("Sq,Skv,D", [(4, 2100, 128), (300, 700, 64), (1, 9000, 256), (40, 40, 128)])
+def test_workspaces_grow_by_their_per_seq_with_each_sequence(Sq, Skv, D):
+    """The plan's per_seq is each workspace's growth per sequence of a pack, exactly (the
+    lowering of a symbolic number of sequences sizes the workspaces with it, _primitive.py):
+    packs of 1 to 6 sequences of the same extents."""
+    base = plan(Sq=Sq, Skv=Skv, D=D, pack_rows_q=6 * Sq, pack_rows_k=6 * Skv)
+    assert base["fwd_workspace_per_seq"] >= 0 and base["dq_workspace_per_seq"] > 0
+    for seqs in range(1, 7):
+        got = plan(Sq=Sq, Skv=Skv, D=D, pack_seqs=seqs, pack_rows_q=6 * Sq, pack_rows_k=6 * Skv)
+        for name in ("fwd", "dq"):
+            want = base[f"{name}_workspace_per_pack"] + (seqs - 1) * base[f"{name}_workspace_per_seq"]
+            assert got[f"{name}_workspace_per_pack"] == want, (name, seqs)
+
+
 def test_split_workspace_size():
     """Per sequence, one float32 partial per (kv head, chunk of keys, padded query row), each
     head_dim_v + 1 floats (output and lse), then one int32 arrival counter per (kv head, 16-row

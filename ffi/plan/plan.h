@@ -88,6 +88,12 @@ struct Plan {
   int bwd_block_m = 0;
   int64_t dq_slots = 0;
   int64_t dq_workspace_per_pack = 0;
+  // Both workspaces are affine in pack_seqs, the rest fixed: per pack = its value at one
+  // sequence + (pack_seqs - 1) * per_seq (split-KV's partials and counters per sequence; one
+  // more dQ slot per sequence, and its sequence-order word). A lowering with a symbolic number
+  // of sequences (jax.export) sizes them from these.
+  int64_t fwd_workspace_per_seq = 0;
+  int64_t dq_workspace_per_seq = 0;
 
   int head_dim_bucket() const { return cuda::kHeadDimBuckets[bucket]; }
   // The dQ workspace's tiles ([num_packs, num_heads, dq_slots, bwd_block_m * bucket] floats);
@@ -180,9 +186,10 @@ inline Plan make_plan(const PlanInputs& in) {
         c::split_partials_per_seq(in.seqlen_q, in.seqlen_k, in.num_heads, in.kv_num_heads, plan.split_keys);
     // o_part [.., head_dim_v], then lse_part, then (when there is a partial) the row blocks'
     // arrival counters
-    plan.fwd_workspace_per_pack =
-        in.pack_seqs * (partials * (in.head_dim_v + 1) +
-                        (partials > 0 ? c::split_counters_per_seq(in.seqlen_q, in.num_heads, in.kv_num_heads) : 0));
+    plan.fwd_workspace_per_seq =
+        partials * (in.head_dim_v + 1) +
+        (partials > 0 ? c::split_counters_per_seq(in.seqlen_q, in.num_heads, in.kv_num_heads) : 0);
+    plan.fwd_workspace_per_pack = in.pack_seqs * plan.fwd_workspace_per_seq;
   } else if (tensor_core_shapes && sm90_extents) {
     plan.fwd_workspace_per_pack = 1;  // the unit counter (an int32 in pack 0's word)
   }
@@ -206,6 +213,7 @@ inline Plan make_plan(const PlanInputs& in) {
     plan.dq_slots = c::bwd_dq_slots(in.pack_rows_q, in.pack_seqs, plan.bwd_block_m);
     plan.dq_workspace_per_pack = in.num_heads * plan.dq_slots * (int64_t(plan.bwd_block_m) * bucket + 1) +
                                  in.pack_seqs;
+    plan.dq_workspace_per_seq = in.num_heads * (int64_t(plan.bwd_block_m) * bucket + 1) + 1;  // dq_slots' + 1
   }
   const int64_t bwd_block_n = c::bwd_block_n(bucket);
   const int64_t bwd_ctas = (in.seqlen_k + bwd_block_n - 1) / bwd_block_n * batch * in.kv_num_heads;
@@ -234,7 +242,7 @@ inline Plan make_plan(const PlanInputs& in) {
     }
     plan.bwd_path = BwdPath::kPortable;
     plan.bwd_block_m = 0;
-    plan.dq_slots = plan.dq_workspace_per_pack = 0;
+    plan.dq_slots = plan.dq_workspace_per_pack = plan.dq_workspace_per_seq = 0;
   }
   return plan;
 }

@@ -126,6 +126,8 @@ NB_MODULE(_jax_varlen, m) {
         d["fwd_plain_tiles"] = plan.fwd_plain_tiles;        // Hopper forward: the plain-tile loop
         d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
         d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
+        d["fwd_workspace_per_seq"] = plan.fwd_workspace_per_seq;  // the workspaces' growth per sequence
+        d["dq_workspace_per_seq"] = plan.dq_workspace_per_seq;
         return d;
       },
       nb::kw_only(), nb::arg("dtype"), nb::arg("pack_seqs"), nb::arg("pack_rows_q"), nb::arg("pack_rows_k"),
