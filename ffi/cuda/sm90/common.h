@@ -92,6 +92,11 @@ __device__ __forceinline__ void wgmma_issue(Mma& mma, TA const& a, TB const& b, 
 
 // Where a kStages-deep ring of mbarrier-guarded buffers stands: the stage, and the parity of
 // the phase its barriers are in. Producer and consumers each keep one and advance it alike.
+// (The rings are raw ClusterBarriers rather than CUTLASS's PipelineTmaAsync: the forward's K
+// and V stages have barriers of their own, so that K is released before P V and refilled under
+// it; a paged call's stages fill by cp.async from four producer warps, one arrival each, where
+// PipelineTmaAsync counts TMA transaction bytes; the consumers release per warp; and the
+// arrives' exact form moved the schedule ptxas chose, see arrive_if.)
 template <int kStages>
 struct PipelineState {
   int stage = 0, phase = 0;
