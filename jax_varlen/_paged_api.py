@@ -436,11 +436,11 @@ def paged_attention(
         lse = jnp.full((H, query.shape[0]), -jnp.inf, jnp.float32)
     else:
         # The paged kernel reads the pages in place when the plan takes the call (decode-like
-        # calls: padded queries, or packed ones with max_seqlen_q = 1, since the kernel has no
-        # per-sequence query counts); the rest gathers the pages each sequence needs.
+        # calls: padded queries, or packed ones with max_seqlen_q = 1: the plan's packed_queries);
+        # the rest gathers the pages each sequence needs.
         padded_shape = (batch, max_q) + query.shape[1:] if packed else query.shape
-        in_place = (not packed or max_q == 1) and takes(padded_shape, query.dtype, key_cache,
-                                                        value_cache, block_table.shape[1])
+        in_place = takes(padded_shape, query.dtype, key_cache, value_cache, block_table.shape[1],
+                         packed_queries=packed)
         fn = functools.partial(_compute, packed=packed, max_seqlen_q=max_q,
                                has_sinks=sinks is not None, attention_kw=attention_kw,
                                config=config if in_place else None)

@@ -50,26 +50,31 @@ paged_attention_fwd_p = Primitive("jax_varlen_paged_attention_fwd")
 paged_attention_fwd_p.multiple_results = True
 
 
-def _plan(query_shape, dtype, cache_shape, value_dim: int, max_pages: int) -> dict:
+def _plan(query_shape, dtype, cache_shape, value_dim: int, max_pages: int,
+          packed_queries: bool = False) -> dict:
     """The CUDA plan of a paged call (ffi/plan/plan.h with ``page_size``): the padded batch of
-    ``B`` sequences of ``max_pages * page_size`` key rows each."""
+    ``B`` sequences of ``max_pages * page_size`` key rows each; ``packed_queries``: the padded
+    queries stand for packed query runs (paged_attention with ``cu_seqlens_q``)."""
     _, Sq, H, D = query_shape
     _, page_size, Hkv, _ = cache_shape
     extent = max_pages * page_size
     return _ffi.extension().plan(
         dtype=jnp.dtype(dtype).name, pack_seqs=1, pack_rows_q=Sq, pack_rows_k=extent,
         seqlen_q=Sq, seqlen_k=extent, num_heads=H, kv_num_heads=Hkv, head_dim=D,
-        head_dim_v=value_dim, page_size=page_size)
+        head_dim_v=value_dim, page_size=page_size, packed_queries=packed_queries)
 
 
-def takes(query_shape, dtype, key_cache, value_cache, max_pages: int) -> bool:
+def takes(query_shape, dtype, key_cache, value_cache, max_pages: int,
+          packed_queries: bool = False) -> bool:
     """Whether the paged kernel takes a call with padded queries ``query_shape``
     ``[B, Sq, H, D]`` and these caches (the plan decides): float16 or bfloat16, head sizes
     multiples of 8, ``Sq <= 16`` queries per sequence (the split-KV path; longer chunks on the
     Hopper forward with ``JAX_VARLEN_PAGED_SM90=1``: GPU tests pass on an H100, opt-in as it
     measured 2.6x slower than gathering, benchmarks/NOTES.md) and ``page_size`` a multiple of
-    16."""
-    plan = _plan(query_shape, dtype, key_cache.shape, value_cache.shape[-1], max_pages)
+    16. ``packed_queries``: the padded rows stand for packed query runs, which the kernels take
+    at one query per sequence only (they have no per-sequence query counts)."""
+    plan = _plan(query_shape, dtype, key_cache.shape, value_cache.shape[-1], max_pages,
+                 packed_queries)
     return not plan["unsupported"]
 
 

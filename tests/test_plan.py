@@ -404,7 +404,8 @@ def test_lowering_refuses_what_the_plan_refuses(cuda_lowering):
 
 
 # --------------------------------------------------------------------------------------------
-# Paged caches (page_size > 0): the split-KV kernel reads pages in place, nothing else does.
+# Paged caches (page_size > 0): the split-KV kernel reads pages in place (and the Hopper forward
+# under JAX_VARLEN_PAGED_SM90=1).
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 64, 256])
@@ -413,6 +414,7 @@ def test_paged_plan_is_the_split_plan(page_size):
     path (the same workspace), with no backward (forward only)."""
     extent = 40 * page_size
     paged = plan(Sq=1, Skv=extent, page_size=page_size)
+    assert plan(Sq=1, Skv=extent, page_size=page_size, packed_queries=True) == paged  # one per sequence
     dense = plan(Sq=1, Skv=extent)
     assert paged["fwd_path"] == "sm80_split" and paged["split_keys"] == dense["split_keys"] > 0
     assert paged["fwd_workspace_per_pack"] == dense["fwd_workspace_per_pack"]
@@ -425,10 +427,12 @@ def test_paged_plan_is_the_split_plan(page_size):
      (dict(page_size=24), "page_size 24"),
      (dict(page_size=16, seqlen_q=17, pack_rows_q=17), "got 17 queries per sequence"),
      (dict(page_size=16, dtype="float32"), "page_size 16"),
-     (dict(page_size=16, head_dim=36, head_dim_v=36), "head sizes 36 and 36")])
+     (dict(page_size=16, head_dim=36, head_dim_v=36), "head sizes 36 and 36"),
+     (dict(page_size=16, seqlen_q=2, pack_rows_q=2, packed_queries=True), "got 2 queries per sequence")])
 def test_paged_plan_refuses_what_the_kernel_cannot_read(kw, got):
-    """Pages of a size not a multiple of 16, longer query runs, float32 or odd head sizes: the
-    plan says why (paged_attention then gathers the pages instead)."""
+    """Pages of a size not a multiple of 16, longer query runs, float32, odd head sizes, or
+    packed query runs padded to more than one row (the kernel has no per-sequence query
+    counts): the plan says why (paged_attention then gathers the pages instead)."""
     inputs = dict(dtype="bfloat16", pack_seqs=1, pack_rows_q=1, pack_rows_k=1600, seqlen_q=1,
                   seqlen_k=1600, num_heads=8, kv_num_heads=2, head_dim=128, head_dim_v=128)
     p = _ffi.extension().plan(**{**inputs, **kw})

@@ -43,6 +43,11 @@ struct PlanInputs {
   // Paged keys (params.h): the cache's rows per page; 0 = dense keys. A paged call is planned
   // with seqlen_k = pack_rows_k = max_pages * page_size (the keys' extent).
   int64_t page_size = 0;
+  // A paged call whose padded queries stand for packed query runs (paged_attention with
+  // cu_seqlens_q, padded to seqlen_q = max_seqlen_q rows): the in-place kernels give every
+  // sequence seqlen_q queries, the last of its keys, so they read such a call's pages only at
+  // seqlen_q = 1 (the lowering gathers the pages otherwise).
+  bool packed_queries = false;
   // The mask (params.h): the Hopper forward's key tile depends on whether it has a band.
   bool is_causal = false;
   int64_t window_left = -1, window_right = -1;
@@ -229,11 +234,12 @@ inline Plan make_plan(const PlanInputs& in) {
   if (in.page_size != 0) {
     const bool reads_pages = plan.fwd_path == FwdPath::kSm80Split ||
                              (plan.fwd_path == FwdPath::kSm90OnePass && paged_sm90_enabled());
-    if (!reads_pages || in.page_size % c::kPagedRun != 0) {
+    if (!reads_pages || in.page_size % c::kPagedRun != 0 || (in.packed_queries && in.seqlen_q > 1)) {
       Plan none;
       none.unsupported = "jax_varlen: the paged kernel (split-KV) takes float16/bfloat16 with head sizes that are "
                          "multiples of 8, at most " + std::to_string(c::kSplitMaxSeqlenQ) +
-                         " queries per sequence (more on Hopper with JAX_VARLEN_PAGED_SM90=1) and pages of a "
+                         " queries per sequence (more on Hopper with JAX_VARLEN_PAGED_SM90=1; packed queries: "
+                         "one per sequence) and pages of a "
                          "multiple of " + std::to_string(c::kPagedRun) +
                          " rows; got " + std::to_string(in.seqlen_q) + " queries per sequence, head sizes " +
                          std::to_string(in.head_dim) + " and " + std::to_string(in.head_dim_v) +

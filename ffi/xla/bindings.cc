@@ -92,7 +92,7 @@ NB_MODULE(_jax_varlen, m) {
       [](const std::string& dtype, int64_t pack_seqs, int64_t pack_rows_q, int64_t pack_rows_k,
          int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads, int64_t kv_num_heads, int64_t head_dim,
          int64_t head_dim_v, int64_t num_packs, int64_t page_size, bool is_causal, int64_t window_left,
-         int64_t window_right, int compute_major) {
+         int64_t window_right, int compute_major, bool packed_queries) {
         jax_varlen::PlanInputs in;
         in.dtype = dtype_of(dtype);
         in.num_packs = num_packs;
@@ -106,6 +106,7 @@ NB_MODULE(_jax_varlen, m) {
         in.head_dim = head_dim;
         in.head_dim_v = head_dim_v;
         in.page_size = page_size;
+        in.packed_queries = packed_queries;
         in.is_causal = is_causal;
         in.window_left = window_left;
         in.window_right = window_right;
@@ -134,7 +135,7 @@ NB_MODULE(_jax_varlen, m) {
       nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("num_heads"), nb::arg("kv_num_heads"),
       nb::arg("head_dim"), nb::arg("head_dim_v"), nb::arg("num_packs") = 1, nb::arg("page_size") = 0,
       nb::arg("is_causal") = false, nb::arg("window_left") = -1, nb::arg("window_right") = -1,
-      nb::arg("compute_major") = 0);
+      nb::arg("compute_major") = 0, nb::arg("packed_queries") = false);
   // last_launch() -> dict or None: the path and split-KV chunk of the last CUDA forward and
   // backward this process launched (cuda/launch_record.h; fwd_path/bwd_path None before the first),
   // for tests that prove which kernel ran. None in a build without CUDA.
