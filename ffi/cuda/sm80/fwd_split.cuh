@@ -12,7 +12,10 @@
 // counter; the last of the row block's splits to arrive merges the splits of each of its rows
 // in a fixed order (fwd_combine.cuh, combine_row): deterministic, and since split_keys is a
 // constant, independent of the batch. (A separate merge kernel took 9.9 us of decode-paged's
-// 232, H100, benchmarks/NOTES.md, session 2026-12-07 m.) kPaged: the keys are a paged cache's
+// 232, H100, benchmarks/NOTES.md, session 2026-12-07 m.) A row block with a single split (its
+// keys within one chunk: most of a ragged decode batch's) skips the partial and the count: its
+// block finishes the rows itself with the merge's arithmetic for one partial
+// (fwd_combine.cuh, finish_one_split), bitwise the same. kPaged: the keys are a paged cache's
 // (params.h), read in place through the block table (mainloop.h, KvSource).
 #pragma once
 
