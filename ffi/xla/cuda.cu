@@ -59,8 +59,11 @@ ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
                                  plan->fwd_workspace_per_pack);
       err.failure())
     return err;
+  const bool paged = p.block_table != nullptr;  // the keys are key_cache and value_cache
   if (plan->fwd_path != FwdPath::kPortable)
-    if (auto err = check_aligned({{"query", p.q}, {"key", p.k}, {"value", p.v}, {"out", p.out}}); err.failure())
+    if (auto err = check_aligned({{"query", p.q}, {paged ? "key_cache" : "key", p.k},
+                                  {paged ? "value_cache" : "value", p.v}, {"out", p.out}});
+        err.failure())
       return err;
   p.workspace = workspace->typed_data();
   p.split_keys = plan->split_keys;
