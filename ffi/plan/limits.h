@@ -50,6 +50,9 @@ constexpr int64_t split_partials_per_seq(int64_t seqlen_q, int64_t seqlen_k, int
 // (plan.h: longer query runs, on the sm90 one-pass path). Other page sizes, and calls that
 // neither path takes, are gathered into dense keys first (jax_varlen/_paged_api.py).
 constexpr int kPagedRun = 16;
+// Block-table entries one split-KV block may need: a chunk of at most 8192 keys
+// (JAX_VARLEN_SPLIT_KEYS' limit, plan.h) on pages of at least kPagedRun rows, not aligned to them.
+constexpr int kMaxSplitPages = 8192 / kPagedRun + 2;
 
 // Hopper forward (sm90/fwd_sm90.cuh): query rows of one work unit, at every head size.
 constexpr int kFwdSm90BlockM = 128;

@@ -72,6 +72,23 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
   const int64_t split = blockIdx.x, g = blockIdx.y % p.kv_num_heads, rb = blockIdx.y / p.kv_num_heads;
   const int64_t b = blockIdx.z;
   const int64_t group = p.num_heads / p.kv_num_heads;
+  // Paged: the block-table entries of the split's pages, read before the sequence's length
+  // (they do not depend on it) so that the two loads overlap, and kept in shared memory for the
+  // mainloop's tiles (mainloop.h, KvSource): no table read left on a tile's path. Clamped into
+  // [0, num_pages) as paged_key_row does (seqlen.h).
+  constexpr int kPageSlots = kPaged ? kMaxSplitPages : 1, kPagesPerThread = (kPageSlots + Tr::kThreads - 1) / Tr::kThreads;
+  __shared__ int pages[kPageSlots];
+  const int64_t page0 = kPaged ? split * p.split_keys / p.page_size : 0;
+  int page_entry[kPagesPerThread];
+  if constexpr (kPaged) {
+    const int64_t last = ((split + 1) * p.split_keys - 1) / p.page_size;  // the split's last key's page
+    const int64_t count = (last < p.max_pages ? last + 1 : p.max_pages) - page0;
+#pragma unroll
+    for (int i = 0; i < kPagesPerThread; ++i) {
+      const int t = int(threadIdx.x) + i * Tr::kThreads;
+      page_entry[i] = t < count ? p.block_table[b * p.max_pages + page0 + t] : 0;
+    }
+  }
   const BlockInfo blk(p, b, rb, Tr::kRows);
   if (blk.past_end()) return;
   const SeqlenInfo& seq = blk.seq;
@@ -120,7 +137,16 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
   }
   const int min_limit = int(blk.min_limit < key_end ? blk.min_limit : key_end);
 
-  const KvSource<Elem, kPaged> kv{p, kPaged ? b : seq.k_offset, int(g)};  // paged: the block table's row b
+  if constexpr (kPaged) {
+#pragma unroll
+    for (int i = 0; i < kPagesPerThread; ++i) {
+      const int t = int(threadIdx.x) + i * Tr::kThreads;
+      const int e = page_entry[i];
+      if (t < kPageSlots) pages[t] = e < 0 ? 0 : (e >= p.num_pages ? int(p.num_pages) - 1 : e);
+    }
+    __syncthreads();  // the mainloop's first loads read them
+  }
+  const KvSource<Elem, kPaged> kv{p, kPaged ? page0 : seq.k_offset, int(g), pages};
   const KeyTiles keys{int(key_begin) + warp * Tr::kBlockN, int(key_end)};  // warp w: tiles w, w + 4, ...
   Accumulators<Ml> acc;
   mainloop<Ml, kSoftcap>(sQ, 0, rings + warp * (Ml::kRingBytes / sizeof(Elem)), kv, keys, first, limit, min_limit,

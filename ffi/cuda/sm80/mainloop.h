@@ -56,19 +56,26 @@ struct MainloopTraits {
 // zeros). Addresses are rebuilt per tile from these, the strides staying in the constant bank:
 // two 64-bit base pointers fewer in the loop's registers (the one-pass kernel at D = 128 runs
 // at the 255-register cap).
-// kPaged (the split-KV kernel on a paged cache, params.h): row0 is the sequence b, and key j
-// is row paged_key_row(p, b, j) of the caches. Pages hold a multiple of kPagedRun rows (the
-// plan's condition, limits.h), so the kPagedRun keys from any multiple of kPagedRun on are
-// consecutive rows: a tile is loaded in runs of kPagedRun, one block-table read each.
+// kPaged (the split-KV kernel on a paged cache, params.h): key j is row pages[j / page_size -
+// row0] * page_size + j % page_size of the caches, `pages` the block's copy of its keys' block-
+// table entries in shared memory (clamped, fwd_split.cuh) and row0 the page of its first.
+// Pages hold a multiple of kPagedRun rows (the plan's condition, limits.h), so the kPagedRun
+// keys from any multiple of kPagedRun on are consecutive rows: a tile is loaded in runs of
+// kPagedRun, one shared-memory read each.
 template <typename Elem, bool kPaged_ = false>
 struct KvSource {
   static constexpr bool kPaged = kPaged_;
   const AttentionParams& p;
   int64_t row0;
   int head;
+  const int* pages = nullptr;
   __device__ int64_t row(int key) const {
-    if constexpr (kPaged) return paged_key_row(p, row0, key);
-    else return row0 + key;
+    if constexpr (kPaged) {
+      const int page_size = int(p.page_size);
+      return int64_t(pages[key / page_size - row0]) * page_size + key % page_size;
+    } else {
+      return row0 + key;
+    }
   }
   __device__ const Elem* k(int key) const {
     return static_cast<const Elem*>(p.k) + row(key) * p.k_row_stride + head * p.k_head_stride;
