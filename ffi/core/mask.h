@@ -104,6 +104,32 @@ JV_HOST_DEVICE Range row_range(const MaskSpec& m, int64_t j0, int64_t j1, int64_
   return {begin, end};
 }
 
+// Tiles of kBlock rows (or keys) that hold some element of r: [r.begin / kBlock, ceil(r.end /
+// kBlock)), or [0, 0) for an empty r.
+template <int kBlock>
+JV_HOST_DEVICE Range tiles_of(const Range& r) {
+  return r.empty() ? Range{0, 0} : Range{r.begin / kBlock, (r.end + kBlock - 1) / kBlock};
+}
+// The key tiles of kBlockN keys that query rows [i0, i1) may see (key_range's, in tiles).
+template <int kBlockN>
+JV_HOST_DEVICE Range key_tiles(const MaskSpec& m, int64_t i0, int64_t i1, int64_t n, int64_t seqlen_q) {
+  return tiles_of<kBlockN>(key_range(m, i0, i1, n, seqlen_q));
+}
+// The row tiles of kBlockM query rows that see some key of [j0, j1) (row_range's, in tiles).
+template <int kBlockM>
+JV_HOST_DEVICE Range row_tiles(const MaskSpec& m, int64_t j0, int64_t j1, int64_t n, int64_t seqlen_q) {
+  return tiles_of<kBlockM>(row_range(m, j0, j1, n, seqlen_q));
+}
+// Whether the tile of query rows [i0, i1) and keys [j0, j1) holds a pair the mask removes or a
+// row past the real ones: unless every row is real and sees every key of the tile. Both bounds
+// of a row's keys grow with the row, so the first row's end and the last row's begin decide.
+// In the callers' integer type (the kernels' int: in 64 bits the loop around it compiled
+// differently).
+template <typename Int>
+JV_HOST_DEVICE bool tile_needs_mask(const MaskSpec& m, Int i0, Int i1, Int j0, Int j1, Int n, Int seqlen_q) {
+  return i1 > seqlen_q || key_range(m, i0, n, seqlen_q).end < j1 || key_range(m, i1 - 1, n, seqlen_q).begin > j0;
+}
+
 // The first query row that sees some key; seqlen_q when none does. The rows before it see none
 // and every row from it on sees one: a row's key range only grows with the row, and it is empty
 // only while it ends at or before key 0 (its start stays below n: p - left <= n - 1).

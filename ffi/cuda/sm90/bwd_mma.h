@@ -166,10 +166,9 @@ struct BwdMma : BwdConsumerSteps<Tr> {
         wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
         wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
         // Masking: needed unless every row of the block is real and sees every key of this block
-        // (both bounds of a row's keys grow with the row: the first row's end, the last's begin).
-        // Written out here: as a call, it turned the masked loop's selects into branches.
-        const bool masked = row0 + kBlockM > len_q || key_range(mask, row0, n, len_q).end < key0 + kBlockN ||
-                            key_range(mask, row0 + kBlockM - 1, n, len_q).begin > key0;
+        // (mask.h; len_q and n are locals: read through BwdBlock inside the masked loop, they
+        // turned its selects into branches).
+        const bool masked = tile_needs_mask(mask, row0, row0 + kBlockM, key0, key0 + kBlockN, n, len_q);
         // The rows' lse into registers while the products run (from shared memory after the
         // wait, their latency stalled every warp: 8% of the samples, benchmarks/NOTES.md).
         // Element i = c + 2 h + 4 j of the accumulator (column pair c, row half h, 8-column group

@@ -128,8 +128,7 @@ struct BwdMmaWide : BwdConsumerSteps<Tr> {
         if (packed && row0 + kBlockM > len_q) this->zero_q_tail(sQ, sdO, stage, len_q - row0);
         if (wg == 0) wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tAcc);
         else wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tAcc);
-        const bool masked = row0 + kBlockM > len_q || key_range(mask, row0, n, len_q).end < key0 + kBlockN ||
-                            key_range(mask, row0 + kBlockM - 1, n, len_q).begin > key0;  // as in bwd_mma.h
+        const bool masked = tile_needs_mask(mask, row0, row0 + kBlockM, key0, key0 + kBlockN, n, len_q);
         // lse (warpgroup 0) or delta (1) of the thread's rows while the product runs: element
         // c + 2 h + 4 j sits at row get<1>(cS(4 j)) + c (common.h).
         const float* stats = wg == 0 ? ss.lse2[stage] : ss.delta[stage];

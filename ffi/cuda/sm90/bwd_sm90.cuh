@@ -16,9 +16,11 @@
 //     takes half of the head dim of dV, dK and dQ.
 // setmaxnreg moves registers from the producer warpgroup to the consumers.
 //
-// The grid: blockIdx.x = (rank * kv_num_heads + g) * num_n_blocks + num_n_blocks - 1 - n, sequence
-// b = seq_order[rank] (heaviest first, seq_order.cuh): the key blocks of one (b, g) pair side by
-// side, descending -- the dQ order (bwd_dq.h) waits only on lower blockIdx.x -- so that
+// The grid: one CTA per unit of the scheduler's key-block list (tile_scheduler.h, TileScheduler:
+// the grid placement), blockIdx.x = (rank * kv_num_heads + g) * num_n_blocks + num_n_blocks - 1 -
+// n, sequence b = seq_order[rank] (heaviest first, ranked before the launch: seq_order.cuh): the
+// key blocks of one (b, g) pair side by side, descending -- the dQ order (bwd_dq.h) waits only on
+// lower blockIdx.x -- so that
 // co-resident blocks are mostly one pair's and read Q, dO and the dq_accum tiles they add into
 // from L2 (measured: 1.12x on d128-full against a grid with the pairs fastest,
 // benchmarks/NOTES.md); the cost is a short ripple along the order at the start.
@@ -39,6 +41,7 @@
 #include "cuda/sm90/bwd_mma_wide.h"
 #include "cuda/sm90/bwd_traits.h"
 #include "cuda/sm90/seq_order.cuh"
+#include "cuda/sm90/tile_scheduler.h"
 
 namespace jax_varlen::cuda::sm90 {
 
@@ -51,11 +54,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_sm90_kernel(const __grid_
   const AttentionParams& p = bp.fwd;
   using Barrier = cutlass::arch::ClusterBarrier;
 
+  using Sched = typename Tr::Scheduler;
   BwdBlock<kBlockM, kBlockN> blk;
-  {  // the grid's order (above)
-    const int pair = int(blockIdx.x) / kp.num_n_blocks;
-    blk.locate(p, bp.seq_order[pair / int(p.kv_num_heads)]);
-    blk.own(p, pair % int(p.kv_num_heads), kp.num_n_blocks - 1 - int(blockIdx.x) % kp.num_n_blocks);
+  {  // this CTA's unit of the key-block list (the grid placement, above)
+    const KeyBlockUnit u = Sched::decode_key_block(p, bp.seq_order, kp.num_n_blocks, Sched::grid_unit());
+    blk.locate(p, u.b);
+    blk.own(p, u.g, u.n_block);
   }
   using Epilogue = BwdEpilogue<Tr>;
   const typename Epilogue::Dst dst = Epilogue::dst(p, bp, blk);
@@ -139,7 +143,7 @@ cudaError_t run_bwd_sm90(const BackwardParams& bp, cudaStream_t stream) {
   const size_t sems = size_t(p.num_packs * p.num_heads * kp.num_slots) * sizeof(int);
   cudaError_t err = cudaMemsetAsync(bp.dq_semaphore, 0, sems, stream);
   if (err != cudaSuccess) return err;
-  err = run_bwd_seq_order(p, Tr::kBlockN, bp.seq_order, stream);
+  err = run_seq_order<typename Tr::Scheduler>(p, bp.seq_order, stream);
   if (err != cudaSuccess) return err;
   auto kernel = p.softcap > 0.0f ? bwd_sm90_kernel<Tr, true> : bwd_sm90_kernel<Tr, false>;
   constexpr size_t kSmem = sizeof(BwdSharedStorage<Tr>);

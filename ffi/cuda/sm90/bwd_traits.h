@@ -4,6 +4,7 @@
 #pragma once
 
 #include "cuda/sm90/common.h"
+#include "cuda/sm90/tile_scheduler.h"
 
 namespace jax_varlen::cuda::sm90 {
 
@@ -30,6 +31,8 @@ struct BwdTraits {
   static constexpr int kConsumerRegs = 240;
   static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= register_pool(kThreads),
                 "setmaxnreg past the launch's registers deadlocks (common.h, register_pool)");
+  // The key-block list, one unit per CTA (tile_scheduler.h), ranked before the launch.
+  using Scheduler = TileScheduler<kBlockM, kBlockN, /*kMaxSortedBatch=*/0, kThreads>;
 
   using SplitM = Layout<Shape<_2, _1, _1>>;  // warpgroups split the keys
   using SplitN = Layout<Shape<_1, _2, _1>>;  // warpgroups split D (dQ; dK and dV if kWide)
@@ -167,9 +170,9 @@ struct BwdBlock {
     n_block = n_block_;
     group = int(p.num_heads / p.kv_num_heads);
     h0 = g * group;
-    const Range rows = row_range(p.mask(), key0(), key0() + kBlockN, n, len_q);
-    m_lo = rows.empty() ? 0 : int(rows.begin / kBlockM);
-    m_hi = rows.empty() ? 0 : int((rows.end + kBlockM - 1) / kBlockM);
+    const Range tiles = row_tiles<kBlockM>(p.mask(), key0(), key0() + kBlockN, n, len_q);
+    m_lo = int(tiles.begin);
+    m_hi = int(tiles.end);
   }
   // The block's first key (a row of b's keys), and whether it has work: some of its keys are
   // b's (not wholly past n_b, in its rows of Skv; never so packed) and some row sees one.
@@ -192,9 +195,8 @@ struct BwdBlock {
   // -- exactly the blocks whose CTA visits m (row_range is exact). Empty: hi <= lo.
   __device__ int2 key_blocks(const AttentionParams& p, int m) const {
     const int last = m * kBlockM + kBlockM - 1;
-    const Range keys = key_range(p.mask(), m * kBlockM, last < len_q ? last + 1 : len_q, n, len_q);
-    if (keys.empty()) return make_int2(0, 0);
-    return make_int2(int(keys.begin / kBlockN), int((keys.end + kBlockN - 1) / kBlockN));
+    const Range tiles = key_tiles<kBlockN>(p.mask(), m * kBlockM, last < len_q ? last + 1 : len_q, n, len_q);
+    return make_int2(int(tiles.begin), int(tiles.end));
   }
   // Element offset of (head h, row i of b) in lse and delta: [packs, heads, pack_rows_q].
   __device__ int64_t lse_index(const AttentionParams& p, int h, int i) const {

@@ -35,7 +35,7 @@ struct FwdTraits {
   // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
   // memory); larger ones keep their own order and read lengths from global memory.
   static constexpr int kMaxSortedBatch = 384;
-  using Scheduler = HeaviestFirstScheduler<kBlockM, kBlockN, kMaxSortedBatch, kThreads>;
+  using Scheduler = TileScheduler<kBlockM, kBlockN, kMaxSortedBatch, kThreads>;
   // A last tile of at most kHalfN keys (the largest multiple of 16 <= kBlockN / 2) runs on
   // narrower products: 64 of 128, 80 of 176, 32 of 80.
   static constexpr int kHalfN = kBlockN / 2 / 16 * 16;
@@ -94,7 +94,7 @@ struct alignas(1024) FwdSharedStorage {
   uint64_t full_k[Tr::kStages], full_v[Tr::kStages];    // producer -> consumers: tile landed
   uint64_t empty_k[Tr::kStages], empty_v[Tr::kStages];  // consumers -> producer: stage free
   uint64_t full_q, empty_q;
-  UnitQueue units;  // dynamic units (tile_scheduler.h): the producer hands them to the consumers
+  UnitQueue units;  // dynamic units (unit_queue.h): the producer hands them to the consumers
   typename Tr::Scheduler::SharedStorage sched;  // the batch's heaviest-first order
   Unit lean_unit[2];  // lean units (UnitHandover): the units themselves, decoded by the producer
 };

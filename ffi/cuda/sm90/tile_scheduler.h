@@ -1,17 +1,38 @@
-// The persistent heaviest-first scheduler of the Hopper forward (fwd_sm90.cuh): which unit of
-// work each CTA of a persistent grid takes, round by round.
+// TileScheduler: the one heaviest-first list of work units of the Hopper kernels, and where a
+// CTA takes its units from (its placement). The forward and the backward both walk it.
 //
-// Work unit = (sequence b, query head h, block of kBlockM query rows), or, for a short sequence
-// under pack-GQA (params.h; heads_of below), (sequence b, kv head, block of kBlockM rows of
-// (query row, query head of the group) pairs, the heads fastest). Units are ordered
-// heaviest-first -- sequences by their number of valid keys, descending, ties by index; within
-// a sequence the later row blocks first (they see the most keys under a causal mask), its
-// empty slots last (a packed sequence with fewer than seqlen_q query rows) -- and
-// CTA c takes units c, 2G - 1 - c, 2G + c, ... (G = grid size, a snake over the sorted list).
-// The order depends only on the lengths; each unit is computed whole by one CTA, in the same
+// Units. The forward's unit (Unit below) = (sequence b, query head h, block of kBlockM query
+// rows), or, for a short sequence under pack-GQA (params.h; heads_of below), (sequence b, kv
+// head, block of kBlockM rows of (query row, query head of the group) pairs, the heads fastest).
+// The backward's (KeyBlockUnit) = (sequence b, kv head g, block of kBlockN keys): its CTA walks
+// every row block of the group's heads that sees the block (bwd_sm90.cuh).
+//
+// Order: heaviest first, deterministic. Sequences are ranked by the work of their heaviest unit,
+// descending, ties by index (heavier): a row-block list by the sequence's valid keys (its last
+// row block sees the most under a causal mask, every block all of them without), a key-block
+// list by the rows that see its first key block, then its keys (mask.h, row_range). Within a
+// sequence the heaviest units come first: a row-block list its row blocks from the last (heads
+// fastest; its empty slots last, a packed sequence with fewer than seqlen_q query rows), a
+// key-block list its kv heads, each with its key blocks side by side, from the last (the dQ
+// order, bwd_dq.h, runs over them descending; co-resident blocks of one pair share Q and dO in
+// L2). The order depends only on the lengths; each unit is computed whole by one CTA, in the same
 // way wherever it runs, so results are bitwise deterministic and batch invariant.
 //
-// The list, by rank, within a sequence the row blocks from the last, heads fastest:
+// Ranking. A row-block list is ranked inside each CTA of the forward (sort_sequences: batches up
+// to kMaxSortedBatch, order and lengths in shared memory; larger ones keep their own order); a
+// key-block list by a pass before the backward's launch (seq_order.cuh: any batch, into the
+// workspace's seq_order), since each of its many short-lived CTAs would otherwise sort again.
+//
+// Placements, behind the same list (a unit's index u in it):
+// - grid: one unit per CTA, u = blockIdx.x (grid_unit): the hardware starts CTAs in blockIdx
+//   order, so the list's order is the start order (the backward: a persistent backward on the
+//   counter measured 1.4-3% slower, benchmarks/NOTES.md, session 2026-12-06 g);
+// - snake: a persistent grid of G CTAs, CTA c takes units c, 2G - 1 - c, 2G + c, ...
+//   (unit_of_round; the forward's paged kernel);
+// - counter: a persistent CTA takes the next unit from an atomic counter (unit_queue.h,
+//   UnitQueue; the forward's other kernels).
+//
+// The row-block list, by rank, within a sequence the row blocks from the last, heads fastest:
 // - padded batch: num_heads * num_m_blocks units per sequence (num_m_blocks = ceil(seqlen_q /
 //   kBlockM): every sequence has seqlen_q query rows);
 // - packed batch (packed_attention, or attention with nonpad_q_seqlen), sorted: work-
@@ -26,60 +47,16 @@
 #pragma once
 
 #include "cuda/sm90/common.h"
+#include "cuda/sm90/unit_queue.h"
 
 namespace jax_varlen::cuda::sm90 {
 
-// Dynamic units for a persistent kernel (the forward's, fwd_sm90.cuh; nothing in it is the
-// forward's own): the producer warp's lane 0 takes the next unit of the kernel's
-// heaviest-first list from an atomic counter (an int32 of the workspace, zeroed before the
-// launch) -- a CTA that finishes early takes more, so no SM idles while others walk long
-// units -- and hands it to the CTA's other roles through a two-slot ring in shared memory
-// (next, on the full / empty mbarriers; `readers` warps arrive on empty). A CTA's units come in
-// increasing order. Either way a unit is computed whole by one CTA in the same way, so results
-// stay bitwise deterministic and batch invariant; only the placement changes.
-struct UnitQueue {
-  using Barrier = cutlass::arch::ClusterBarrier;
-  uint64_t full[2], empty[2];
-  int32_t next[2];
-
-  // Thread 0, before the CTA's first sync.
-  __device__ void init(int readers) {
-    for (int s = 0; s < 2; ++s) {
-      Barrier::init(&full[s], 1);
-      Barrier::init(&empty[s], readers);
-    }
-  }
-  // The producer warp's r-th unit, or -1 past the end (every lane), once round r - 2's slot is
-  // free; publish(r, u) then hands it over (after anything else stored beside it in the slot).
-  __device__ __forceinline__ int claim(int* counter, int num_units, int r) {
-    const int slot = r & 1;
-    Barrier::wait(&empty[slot], ((r >> 1) & 1) ^ 1);
-    int taken = 0;
-    if (threadIdx.x % 32 == 0) taken = atomicAdd(counter, 1);
-    taken = __shfl_sync(0xffffffff, taken, 0);
-    return taken < num_units ? taken : -1;
-  }
-  __device__ __forceinline__ void publish(int r, int u) {
-    if (threadIdx.x % 32 != 0) return;
-    next[r & 1] = u;
-    Barrier::arrive(&full[r & 1]);  // release: the slot is visible to the readers
-  }
-  // A reader thread's r-th unit, or -1 past the end; `read(slot, u)` reads more beside the index
-  // before its warp releases the slot.
-  template <typename Read>
-  __device__ __forceinline__ int read(int r, Read read_more) {
-    const int slot = r & 1;
-    Barrier::wait(&full[slot], (r >> 1) & 1);
-    const int u = next[slot];
-    read_more(slot, u);
-    __syncwarp();
-    arrive_if(&empty[slot], threadIdx.x % 32 == 0);
-    return u;
-  }
-  __device__ __forceinline__ int read(int r) {
-    return read(r, [](int, int) {});
-  }
-};
+// Whether sequence j (sort key wj) ranks before sequence b (sort key wb): heavier first, ties
+// by index. Every ranking of the list uses it.
+template <typename W, typename I>
+__device__ __forceinline__ bool heavier(W wj, I j, W wb, I b) {
+  return wj > wb || (wj == wb && j < b);
+}
 
 // One unit of work (see the top of the file) and the keys it needs.
 struct Unit {
@@ -113,19 +90,25 @@ struct Unit {
   }
 };
 
-// kBlockM query rows per unit, kBlockN keys per tile (Unit's tile bounds), kThreads threads per
-// CTA (all of them sort). Batches up to kMaxSortedBatch are sorted heaviest-first (order and
-// lengths kept in shared memory); larger ones keep their own order and read lengths from global
-// memory.
+// One unit of the backward's key-block list: key block n_block of kv head g of sequence b.
+struct KeyBlockUnit {
+  int b, g, n_block;
+};
+
+// kBlockM query rows per row block, kBlockN keys per key tile (the forward's: Unit's tile bounds)
+// or key block (the backward's), kThreads threads per CTA (all of them sort). Row-block lists
+// of batches up to kMaxSortedBatch are ranked in the CTA (sort_sequences); a kernel that walks a
+// key-block list (ranked before its launch, seq_order.cuh) passes 0.
 template <int kBlockM, int kBlockN, int kMaxSortedBatch, int kThreads>
-struct HeaviestFirstScheduler {
+struct TileScheduler {
+  static constexpr int kSortSlots = kMaxSortedBatch > 0 ? kMaxSortedBatch : 1;
   struct SharedStorage {
     union {
-      int32_t sorted_len[kMaxSortedBatch];  // padded: clamped lengths, heaviest first
-      int32_t first_unit[kMaxSortedBatch];  // packed: the first unit of each rank
+      int32_t sorted_len[kSortSlots];  // padded: clamped lengths, heaviest first
+      int32_t first_unit[kSortSlots];  // packed: the first unit of each rank
     };
     int32_t packed_units;             // packed: the units of the whole list
-    uint16_t order[kMaxSortedBatch];  // the sequence of each rank
+    uint16_t order[kSortSlots];       // the sequence of each rank
   };
 
   // Query heads per unit of a sequence of the sorted packed list with len_q query rows
@@ -145,6 +128,7 @@ struct HeaviestFirstScheduler {
   // threads; sorted_len holds the lengths by b while ranking. The caller syncs the CTA before
   // reading them.
   static __device__ void sort_sequences(const AttentionParams& p, SharedStorage& ss) {
+    static_assert(kMaxSortedBatch > 0, "a key-block list is ranked before the launch (seq_order.cuh)");
     const int batch = int(p.batch);
     if (batch > kMaxSortedBatch) return;
     constexpr int kPer = (kMaxSortedBatch + kThreads - 1) / kThreads;
@@ -160,7 +144,7 @@ struct HeaviestFirstScheduler {
       if (b < batch)
         for (int j = 0; j < batch; ++j) {
           const int nj = ss.sorted_len[j];
-          rank[i] += (nj > len[i]) || (nj == len[i] && j < b);
+          rank[i] += heavier(nj, j, len[i], b);
         }
     }
     __syncthreads();
@@ -209,6 +193,29 @@ struct HeaviestFirstScheduler {
     const int g = int(gridDim.x), c = int(blockIdx.x);
     const int u = r * g + ((r & 1) ? g - 1 - c : c);
     return u < num_units ? u : -1;
+  }
+
+  // The grid placement: the unit of this CTA, one per CTA.
+  static __device__ __forceinline__ int grid_unit() { return int(blockIdx.x); }
+
+  // Sort key of sequence b in a key-block list (seq_order.cuh ranks by it): the rows that see
+  // its first block of kBlockN keys (mask.h, row_range: all of them without a mask, min(n_q,
+  // n_k) under the tail-aligned causal mask, the window's width and the block's under a local
+  // window -- the rows of its heaviest key block) in the high 32 bits, then its keys.
+  static __device__ __forceinline__ int64_t key_block_weight(const AttentionParams& p, int64_t b) {
+    const SeqlenInfo seq(p, b);
+    if (seq.seqlen_k == 0) return 0;
+    const Range rows = row_range(p.mask(), 0, kBlockN, seq.seqlen_k, seq.seqlen_q);
+    return (rows.empty() ? 0 : rows.end - rows.begin) << 32 | seq.seqlen_k;
+  }
+
+  // Unit u of a key-block list with num_n_blocks key blocks per (sequence, kv head) (the
+  // padded key length's): u = (rank * kv_num_heads + g) * num_n_blocks + num_n_blocks - 1 -
+  // n_block, sequence b = seq_order[rank]. Blocks past a sequence's keys are units without work.
+  static __device__ __forceinline__ KeyBlockUnit decode_key_block(const AttentionParams& p, const int32_t* seq_order,
+                                                                  int num_n_blocks, int u) {
+    const int pair = u / num_n_blocks;
+    return {seq_order[pair / int(p.kv_num_heads)], pair % int(p.kv_num_heads), num_n_blocks - 1 - u % num_n_blocks};
   }
 
   // Unit u < num_units of the list (num_m_blocks row blocks per sequence and head where the
