@@ -437,18 +437,20 @@ def jax_varlen_fn(jax_varlen):
                                      "nonpad_q_seqlen (padded query rows)")
 
     def fn(q, k, v, n, n_q=None, *, scale, is_causal, window=None):
-        used_q = {} if n_q is None else {"nonpad_q_seqlen": n_q}
-        return jax_varlen.attention(q, k, v, n, scale=scale, is_causal=is_causal,
-                                    local_window_size=window, **used_q)
+        used = {} if n_q is None else {"nonpad_q_seqlen": n_q}
+        if window is not None:  # only then: an older build (the ab stage's base) has no window
+            used["local_window_size"] = window
+        return jax_varlen.attention(q, k, v, n, scale=scale, is_causal=is_causal, **used)
     return fn
 
 
 def jax_varlen_packed_fn(jax_varlen):
     """jax_varlen.packed_attention as a packed impl (the window as local_window_size)."""
     def fn(q, k, v, cu_q, cu_k, *, scale, is_causal, max_seqlen_q, max_seqlen_k, window=None):
+        used = {} if window is None else {"local_window_size": window}  # as jax_varlen_fn
         return jax_varlen.packed_attention(q, k, v, cu_q, cu_k, scale=scale, is_causal=is_causal,
                                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                           local_window_size=window)
+                                           **used)
     return fn
 
 
