@@ -54,10 +54,5 @@ ffi::Error packed_attention_bwd_cpu(
 }  // namespace
 }  // namespace jax_varlen
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_attention_bwd_cpu, jax_varlen::attention_bwd_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPadded, /*kBackward=*/true, /*kWorkspace=*/false>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_packed_attention_bwd_cpu, jax_varlen::packed_attention_bwd_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPacked, /*kBackward=*/true, /*kWorkspace=*/false>()));
+JV_DEFINE_CPU_HANDLER(attention_bwd, kPadded, /*backward=*/true, /*sinks=*/false);
+JV_DEFINE_CPU_HANDLER(packed_attention_bwd, kPacked, /*backward=*/true, /*sinks=*/false);

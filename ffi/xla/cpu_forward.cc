@@ -66,17 +66,7 @@ ffi::Error packed_attention_fwd_sinks_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q
 }  // namespace
 }  // namespace jax_varlen
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_attention_fwd_cpu, jax_varlen::attention_fwd_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPadded, /*kBackward=*/false, /*kWorkspace=*/false>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_packed_attention_fwd_cpu, jax_varlen::packed_attention_fwd_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPacked, /*kBackward=*/false, /*kWorkspace=*/false>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_attention_fwd_sinks_cpu, jax_varlen::attention_fwd_sinks_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPadded, /*kBackward=*/false, /*kWorkspace=*/false, /*kSinks=*/true>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_packed_attention_fwd_sinks_cpu, jax_varlen::packed_attention_fwd_sinks_cpu,
-    (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::kPacked, /*kBackward=*/false, /*kWorkspace=*/false, /*kSinks=*/true>()));
+JV_DEFINE_CPU_HANDLER(attention_fwd, kPadded, /*backward=*/false, /*sinks=*/false);
+JV_DEFINE_CPU_HANDLER(packed_attention_fwd, kPacked, /*backward=*/false, /*sinks=*/false);
+JV_DEFINE_CPU_HANDLER(attention_fwd_sinks, kPadded, /*backward=*/false, /*sinks=*/true);
+JV_DEFINE_CPU_HANDLER(packed_attention_fwd_sinks, kPacked, /*backward=*/false, /*sinks=*/true);

@@ -201,37 +201,10 @@ ffi::Error packed_attention_bwd_cuda(cudaStream_t stream, ffi::AnyBuffer query, 
 }  // namespace
 }  // namespace jax_varlen
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_attention_fwd_cuda, jax_varlen::attention_fwd_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPadded, /*kBackward=*/false, /*kWorkspace=*/true>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_paged_attention_fwd_cuda, jax_varlen::paged_attention_fwd_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPaged, /*kBackward=*/false, /*kWorkspace=*/true>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_attention_bwd_cuda, jax_varlen::attention_bwd_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPadded, /*kBackward=*/true, /*kWorkspace=*/true>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_packed_attention_fwd_cuda, jax_varlen::packed_attention_fwd_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPacked, /*kBackward=*/false, /*kWorkspace=*/true>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_packed_attention_bwd_cuda, jax_varlen::packed_attention_bwd_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPacked, /*kBackward=*/true, /*kWorkspace=*/true>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_attention_fwd_sinks_cuda, jax_varlen::attention_fwd_sinks_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPadded, /*kBackward=*/false, /*kWorkspace=*/true, /*kSinks=*/true>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_varlen_packed_attention_fwd_sinks_cuda, jax_varlen::packed_attention_fwd_sinks_cuda,
-    (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>, jax_varlen::Lengths::kPacked, /*kBackward=*/false, /*kWorkspace=*/true, /*kSinks=*/true>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+JV_DEFINE_CUDA_HANDLER(attention_fwd, kPadded, /*backward=*/false, /*sinks=*/false);
+JV_DEFINE_CUDA_HANDLER(paged_attention_fwd, kPaged, /*backward=*/false, /*sinks=*/false);
+JV_DEFINE_CUDA_HANDLER(attention_bwd, kPadded, /*backward=*/true, /*sinks=*/false);
+JV_DEFINE_CUDA_HANDLER(packed_attention_fwd, kPacked, /*backward=*/false, /*sinks=*/false);
+JV_DEFINE_CUDA_HANDLER(packed_attention_bwd, kPacked, /*backward=*/true, /*sinks=*/false);
+JV_DEFINE_CUDA_HANDLER(attention_fwd_sinks, kPadded, /*backward=*/false, /*sinks=*/true);
+JV_DEFINE_CUDA_HANDLER(packed_attention_fwd_sinks, kPacked, /*backward=*/false, /*sinks=*/true);

@@ -89,7 +89,7 @@ auto bind_attrs(B&& b) {
   if constexpr (kWorkspace) return std::move(b).template Ret<ffi::Buffer<ffi::F32>>().Attrs();  // the plan's
   else return std::move(b).Attrs();
 }
-template <typename Ctx, Lengths kLengths, bool kBackward, bool kWorkspace, bool kSinks = false>
+template <typename Ctx, Lengths kLengths, bool kBackward, bool kWorkspace, bool kSinks>
 auto bind_attention() {
   return bind_attrs<kWorkspace>(bind_outputs<kBackward>(bind_lengths<kLengths, kSinks>(ffi::Ffi::Bind()
                                                                                    .Ctx<Ctx>()
@@ -98,6 +98,23 @@ auto bind_attention() {
                                                                                    .template Arg<ffi::AnyBuffer>()  // value
                                                                                    )));
 }
+
+// One FFI handler symbol per line: JV_DEFINE_<PLATFORM>_HANDLER(name, lengths, backward, sinks)
+// defines jax_varlen_<name>_<platform> (the name bindings.cc registers) for the handler
+// jax_varlen::<name>_<platform>, with bind_attention's signature (the compiler checks the
+// handler's parameters against it). CPU handlers run on XLA's thread pool; CUDA ones on the
+// call's stream with the plan's workspace, capturable into command buffers (no host sync, no
+// allocation). Used at global scope, after the handlers.
+#define JV_DEFINE_CPU_HANDLER(name, lengths, backward, sinks)                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_varlen_##name##_cpu, jax_varlen::name##_cpu,                     \
+                                (jax_varlen::bind_attention<xla::ffi::ThreadPool, jax_varlen::Lengths::lengths, \
+                                                            backward, /*kWorkspace=*/false, sinks>()))
+#define JV_DEFINE_CUDA_HANDLER(name, lengths, backward, sinks)                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_varlen_##name##_cuda, jax_varlen::name##_cuda,                   \
+                                (jax_varlen::bind_attention<xla::ffi::PlatformStream<cudaStream_t>,  \
+                                                            jax_varlen::Lengths::lengths, backward,  \
+                                                            /*kWorkspace=*/true, sinks>()),          \
+                                {xla::ffi::Traits::kCmdBufferCompatible})
 
 // The static attributes of a call, the same for every handler (forward and backward, CPU and
 // CUDA, padded and packed):
