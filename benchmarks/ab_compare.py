@@ -1,10 +1,11 @@
 """Compare two bench.py runs of jax_varlen, one per build (issue 32 item 6: "in one GPU run with
 both builds, every named shape's forward and training step within 2%").
 
-Usage: python3 benchmarks/ab_compare.py BASE.json NEW.json [--tolerance 0.02] [--out FILE.md]
+Usage: python3 benchmarks/ab_compare.py BASE NEW [--tolerance 0.02] [--out FILE.md]
 
-BASE.json and NEW.json are bench.py's records (a list, or {"records": [...]}) of the same shapes
-and passes, from the base build and the new one (h200.sh's ``ab`` stage runs both in one call).
+BASE and NEW are bench.py's record files (a list, or {"records": [...]}), or folders of them
+(every *.json inside), of the same shapes and passes, from the base build and the new one
+(h200.sh's ``ab`` stage runs both in one call).
 For each (shape, impl, dtype, pass) timed in both, prints the base and new times and new / base;
 rows slower than 1 + tolerance are marked SLOWER. Exit status 0 either way (the table is the
 verdict); 2 when the files share no timed record.
@@ -13,14 +14,20 @@ verdict); 2 when the files share no timed record.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import sys
 
 
 def records(path: str) -> dict:
-    with open(path) as f:
-        data = json.load(f)
-    rows = data["records"] if isinstance(data, dict) else data
+    """{(shape, impl, dtype, pass): ms} of the timed records of a file, or of a folder's files."""
+    paths = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
+    rows = []
+    for p in paths:
+        with open(p) as f:
+            data = json.load(f)
+        rows += data["records"] if isinstance(data, dict) else data
     out = {}
     for r in rows:
         if r.get("ms") is None or r.get("error") or r.get("skipped"):

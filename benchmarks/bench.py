@@ -85,6 +85,9 @@ def parse_args(argv=None):
                    "non-decode shape; --decode adds the decode shapes); default: --fwd-shapes "
                    "(plus the decode shapes with --decode) and --train-shapes")
     p.add_argument("--decode", action="store_true", help="include decode shapes (Sq == 1)")
+    p.add_argument("--list-layout", choices=("padded", "packed", "paged"),
+                   help="print the --shapes of this layout (comma-separated) and exit: h200.sh's "
+                   "ab stage times each shape by the impl of its layout")
     p.add_argument("--fwd-shapes", default=",".join(FWD_SHAPES),
                    help="forward shapes when --shapes is not given")
     p.add_argument("--passes", choices=("fwd", "train", "both"), default="fwd",
@@ -894,6 +897,10 @@ def main(argv=None):
     t_start = time.monotonic()
     args = parse_args(argv)
     all_shapes = load_shapes()
+    if args.list_layout:
+        names = select_shapes(all_shapes, args.shapes or "all", True)
+        print(",".join(n for n, s in names.items() if s.get("layout", "padded") == args.list_layout))
+        return
     run_fwd_pass = args.passes in ("fwd", "both")
     run_train_pass = args.passes in ("train", "both")
     fwd_shapes, train_shapes = {}, {}

@@ -13,7 +13,7 @@
 # loop off and on (JAX_VARLEN_FWD_PLAIN) on PLAIN_SHAPES (docs-causal, docs-causal-d64,
 # mixed-serve, d128-causal-skewed, d128-full, d128-skewed; PLAIN_S 100 s); sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
-# 120 s); ab = a base build against this one (AB_BASE, AB_SHAPES, AB_S 500 s; see the stage);
+# 120 s); ab = a base build against this one (AB_BASE, AB_SHAPES, AB_PASSES, AB_S 500 s; see the stage);
 # ncu = Nsight Compute on one call of each forward kernel; cmd = the shell command
 # $CMD (run from /tmp with the build installed, $R = the repository root; limit CMD_S, 120 s).
 # The whole call is held to TOTAL_S (default 540 s, from the start of this script): each stage's
@@ -31,7 +31,7 @@
 #   TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more bench.py flags, e.g. --quick), STEP_S
 #   (train: timing bound per measurement, default 15); NCU_SHAPES, NCU_REGEX, NCU_GRAD
 #   (non-empty: profile gradients, e.g. with NCU_REGEX=regex:bwd_); AB_BASE, AB_SHAPES,
-#   AB_PASSES (ab: "fwd train" by default), AB_S; CMAKE_DEFINES (this tree's build only, e.g.
+#   AB_PASSES (ab: "both" by default, or fwd / train), AB_S; CMAKE_DEFINES (this tree's build only, e.g.
 #   "JAX_VARLEN_CUDA_UNITS=instantiation"); OUT (output folder,
 #   default /tmp/out).
 # A folder .whl/ in the repository root (carried to the device) is installed first, into
@@ -148,31 +148,37 @@ for stage in $STAGES; do
       # source tree relative to the repository root (made before the call with
       # `git archive BASE | tar -x -C .scratch/base`, carried with .scratch); it is built into
       # /tmp/site_base and put first on PYTHONPATH for the base's runs. Both run this tree's
-      # bench.py on AB_SHAPES (default: every named padded and packed shape), jax_varlen and
-      # jax_varlen_packed only, forward then training step, base then new per pass;
-      # ab_compare.py writes the ratios (ab-fwd.md, ab-train.md).
+      # bench.py (which passes the newer arguments only where a shape uses them) on AB_SHAPES
+      # (default: every named padded and packed shape), AB_PASSES ("both": forward and training
+      # step), each shape by the impl of its layout (jax_varlen padded, jax_varlen_packed
+      # packed): per side one process for the padded shapes and one for the packed, base then
+      # new; ab_compare.py writes the ratios (ab.md). ~110 s per side at STEP_S 6 on an H100.
       t1=$(date +%s)
       (cd "$R/${AB_BASE:?the ab stage needs AB_BASE}" && python3 -m pip install --no-build-isolation \
         --no-deps --upgrade --target /tmp/site_base -C build-dir=build/h200-base \
         -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . >"$OUT/ab-build.log" 2>&1) \
         || { tail -20 "$OUT/ab-build.log"; continue; }
       echo "ab: base build $(($(date +%s) - t1)) s"
-      ab_shapes=${AB_SHAPES:-d128-full,d128-skewed,d64-skewed,d128-causal-skewed,prefill-right-padded,docs-causal,docs-causal-d64,mixed-serve,d256-skewed}
-      runs=$((2 * $(wc -w <<<"${AB_PASSES:-fwd train}")))  # bench.py runs left: equal shares of what is left of L
-      for pass in ${AB_PASSES:-fwd train}; do
-        for side in base new; do
-          share=$(( (L - ($(date +%s) - t0)) / runs )); runs=$((runs - 1))
-          ((share < 40)) && { echo "ab: $pass $side skipped (time)"; continue; }
-          site=/tmp/site; [[ $side == base ]] && site=/tmp/site_base:/tmp/site
+      ab_padded=${AB_SHAPES:-d128-full,d128-skewed,d64-skewed,d128-causal-skewed,prefill-right-padded,docs-causal,docs-causal-d64,mixed-serve,d256-skewed}
+      ab_packed=$(python3 "$R/benchmarks/bench.py" --list-layout packed --shapes "$ab_padded")
+      ab_padded=$(python3 "$R/benchmarks/bench.py" --list-layout padded --shapes "$ab_padded")
+      count() { tr ',' '\n' <<<"$1" | grep -c .; }
+      left=$((2 * ($(count "$ab_padded") + $(count "$ab_packed"))))  # shape runs left, both sides
+      for side in base new; do
+        site=/tmp/site; [[ $side == base ]] && site=/tmp/site_base:/tmp/site
+        for layout in padded packed; do
+          shapes=$ab_padded impl=jax_varlen; [[ $layout == packed ]] && shapes=$ab_packed impl=jax_varlen_packed
+          n=$(count "$shapes"); ((n == 0)) && continue
+          # what is left of L, shared in proportion to the shapes of this run and the later ones
+          share=$(( (L - ($(date +%s) - t0)) * n / left )); left=$((left - n))
+          ((share < 30)) && { echo "ab: $side $layout skipped (time)"; continue; }
           PYTHONPATH=$site timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/ab-$side" \
-            --tag "ab-$pass" --passes "$pass" --impls jax_varlen,jax_varlen_packed \
-            --train-impls jax_varlen,jax_varlen_packed --extra-dtype none --no-plot \
-            --budget-s $((share - 25)) --step-budget-s "${STEP_S:-15}" --shapes "$ab_shapes" \
-            >"$OUT/ab-$side-$pass.log" 2>&1
+            --tag "ab-$layout" --passes "${AB_PASSES:-both}" --impls "$impl" --train-impls "$impl" \
+            --extra-dtype none --no-plot --budget-s $((share - 15)) --step-budget-s "${STEP_S:-6}" \
+            --shapes "$shapes" >"$OUT/ab-$side-$layout.log" 2>&1
         done
-        python3 "$R/benchmarks/ab_compare.py" "$OUT"/ab-base/*-ab-$pass.json "$OUT"/ab-new/*-ab-$pass.json \
-          --out "$OUT/ab-$pass.md" | tail -4
-      done ;;
+      done
+      python3 "$R/benchmarks/ab_compare.py" "$OUT/ab-base" "$OUT/ab-new" --out "$OUT/ab.md" | tail -4 ;;
     ncu) L=$(limit "${NCU_S:-200}") || { echo "ncu: skipped (time)"; continue; }
       # fwd_tc_kernel / fwd_split_kernel (sm80 path) and fwd_sm90_kernel (Hopper path)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$L" ncu --clock-control none \
