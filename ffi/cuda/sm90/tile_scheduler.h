@@ -11,12 +11,14 @@
 // descending, ties by index (heavier): a row-block list by the sequence's valid keys (its last
 // row block sees the most under a causal mask, every block all of them without), a key-block
 // list by the rows that see its first key block, then its keys (mask.h, row_range). Within a
-// sequence the heaviest units come first: a row-block list its row blocks from the last (heads
-// fastest; its empty slots last, a packed sequence with fewer than seqlen_q query rows), a
-// key-block list its kv heads, each with its key blocks side by side, from the last (the dQ
-// order, bwd_dq.h, runs over them descending; co-resident blocks of one pair share Q and dO in
-// L2). The order depends only on the lengths; each unit is computed whole by one CTA, in the same
-// way wherever it runs, so results are bitwise deterministic and batch invariant.
+// sequence: a row-block list its row blocks from the last, the heaviest under a causal mask
+// (heads fastest; its empty slots last, a packed sequence with fewer than seqlen_q query rows);
+// a key-block list its kv heads, each with its key blocks side by side from the last -- the dQ
+// order (bwd_dq.h) adds a sequence's partials key block descending, so a block waits only on
+// blocks started before it, although under a causal mask the first key block is the heaviest;
+// co-resident blocks of one pair share Q and dO in L2. The order depends only on the lengths;
+// each unit is computed whole by one CTA, in the same way wherever it runs, so results are
+// bitwise deterministic and batch invariant.
 //
 // Ranking. A row-block list is ranked inside each CTA of the forward (sort_sequences: batches up
 // to kMaxSortedBatch, order and lengths in shared memory; larger ones keep their own order); a
