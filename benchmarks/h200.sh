@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, build for sm_90a, run the chosen stages; logs and
 # results land in $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [plain]
+#   bash benchmarks/h200.sh [tests] [bench] [train] [decode] [chunks] [persist] [plain]
 #                           [sweep] [sinks] [ab] [ncu] [cmd]
 #   (default: tests bench)
 # Stages: tests = the suite's gpu-marked tests (each backend-parametrized test's GPU case and the
@@ -9,7 +9,8 @@
 # eight and prefill-right-padded; bf16, plus f16 of d128-full and d128-skewed), jax_varlen /
 # cuDNN / FA3 / XLA and the packed pair; train = train + bwd records (jax_varlen / cuDNN / FA3
 # and the packed pair) on TRAIN_SHAPES (seven); decode = the decode shapes; chunks = the decode
-# shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); plain = the Hopper forward's plain-tile
+# shapes at each split-KV chunk of CHUNKS ("1024 2048 4096", CHUNKS_S 150 s); persist = the decode
+# shapes with split-KV on a persistent grid off and on (PERSIST_S 120 s); plain = the Hopper forward's plain-tile
 # loop off and on (JAX_VARLEN_FWD_PLAIN) on PLAIN_SHAPES (docs-causal, docs-causal-d64,
 # mixed-serve, d128-causal-skewed, d128-full, d128-skewed; PLAIN_S 100 s); sweep = the
 # decode sweep; sinks = benchmarks/sinks_cost.py (d128-full with and without sinks, SINKS_S,
@@ -137,6 +138,9 @@ for stage in $STAGES; do
         --impls "${DECODE_IMPLS:-jax_varlen,cudnn,fa3,xla,jax_varlen_paged,fa3_paged}" \
         >"$OUT/decode.log" 2>&1
       grep -E "^\| decode" "$OUT/decode.log" || tail -8 "$OUT/decode.log" ;;
+    persist) L=$(limit "${PERSIST_S:-120}") || { echo "persist: skipped (time)"; continue; }
+      # Split-KV on a persistent grid off and on (JAX_VARLEN_SPLIT_PERSISTENT, plan.h).
+      decode_knob persist JAX_VARLEN_SPLIT_PERSISTENT "0 1" ;;
     chunks) L=$(limit "${CHUNKS_S:-150}") || { echo "chunks: skipped (time)"; continue; }
       # The split-KV chunk (JAX_VARLEN_SPLIT_KEYS, plan.h: one constant per process).
       decode_knob chunk JAX_VARLEN_SPLIT_KEYS "${CHUNKS:-1024 2048 4096}" ;;
@@ -199,7 +203,7 @@ for stage in $STAGES; do
         jax_varlen,jax_varlen_packed jax_varlen,jax_varlen_packed,fa3_packed,fa3,dew3 ;;
     cmd) L=$(limit "${CMD_S:-120}") || { echo "cmd: skipped (time)"; continue; }
       R="$R" timeout "$L" bash -c "$CMD" 2>&1 | tee "$OUT/cmd.log" | tail -24 ;;
-    *) echo "unknown stage $stage (tests bench train decode chunks plain sweep sinks ab ncu cmd)"; continue ;;
+    *) echo "unknown stage $stage (tests bench train decode chunks persist plain sweep sinks ab ncu cmd)"; continue ;;
   esac
   echo "$stage: $(($(date +%s) - t0)) s (call so far $(($(date +%s) - T0)) s of ${TOTAL_S})"
 done

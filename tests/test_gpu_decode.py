@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_varlen
 from conftest import (
+    assert_lse_close,
+    assert_out_close,
     bits,
     check_against_oracle,
     make_inputs,
+    oracle_hi,
 )
 
 
@@ -72,3 +76,38 @@ def test_decode_long_cache(Sq):
     both = f(q, k, v, n)
     alone = f(q[1:2], k[1:2], v[1:2], n[1:2])
     assert bits(alone[0][0]) == bits(both[0][1]) and bits(alone[1][0]) == bits(both[1][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq,window,paged", [(1, None, False), (5, None, False), (3, (700, 0), False),
+                                             (1, None, True)],
+                         ids=["decode", "spec5", "window", "paged"])
+def test_persistent_grid_moves_no_bit(monkeypatch, Sq, window, paged):
+    """JAX_VARLEN_SPLIT_PERSISTENT=1 (plan.h; sm80/fwd_split.cuh) walks the split kernel's
+    blocks with a persistent grid: bitwise the output and lse of the one-block-per-split grid,
+    and the oracle's; last_launch() says which grid ran. 130 sequences of 0, 1, whole chunks, a
+    chunk and one, and random key counts: more blocks than the persistent grid has CTAs."""
+    rng = np.random.default_rng(Sq)
+    lengths = [0, 1, 1024, 1025, 2048, 3072] + [int(x) for x in rng.integers(0, 3073, 124)]
+    B, Skv = len(lengths), 3072
+    q, k, v, n = make_inputs(B, Sq, Skv, 8, 2, 128, 128, jnp.bfloat16, lengths, seed=Sq)
+    kw = dict(is_causal=True, local_window_size=window)
+    if paged:  # pages of 64 rows; sequence b's pages stored in reverse order
+        pages = Skv // 64
+        cache = lambda x: x.reshape(B, pages, 64, *x.shape[2:])[:, ::-1].reshape(B * pages, 64, *x.shape[2:])
+        table = (jnp.arange(B)[:, None] * pages + (pages - 1 - jnp.arange(pages))[None]).astype(jnp.int32)
+        f = jax.jit(lambda q, n: jax_varlen.paged_attention(q, cache(k), cache(v), table, n,
+                                                            return_lse=True, **kw))
+    else:
+        f = jax.jit(lambda q, n: jax_varlen.attention(q, k, v, n, return_lse=True, **kw))
+    results = {}
+    for value in "01":  # the handler plans each call: run each to completion
+        monkeypatch.setenv("JAX_VARLEN_SPLIT_PERSISTENT", value)
+        results[value] = jax.block_until_ready(f(q, n))
+        launch = jax_varlen._ffi.extension().last_launch()
+        assert launch["split_keys"] > 0 and launch["split_persistent"] == (value == "1")
+    assert bits(results["1"][0]) == bits(results["0"][0])
+    assert bits(results["1"][1]) == bits(results["0"][1])
+    hi_out, hi_lse = oracle_hi(q, k, v, n, return_lse=True, **kw)
+    assert_out_close(results["1"][0], hi_out, None, jnp.bfloat16)
+    assert_lse_close(results["1"][1], hi_lse)

@@ -77,6 +77,21 @@ def test_split_chunk_knob(monkeypatch):
         assert got["fwd_workspace_per_pack"] == 2 * chunks * 16 * (128 + 1) + 2, value
 
 
+def test_split_persistent_knob(monkeypatch):
+    """JAX_VARLEN_SPLIT_PERSISTENT=1 (an experiment) puts a split-KV call's kernel on a
+    persistent grid; anything else keeps the one-block-per-split grid; it sizes no workspace and
+    leaves a call that is not split-KV alone."""
+    default = plan(Sq=1)
+    assert default["split_keys"] > 0 and not default["split_persistent"]
+    for value, want in (("1", True), ("0", False), ("", False), ("yes", False)):
+        monkeypatch.setenv("JAX_VARLEN_SPLIT_PERSISTENT", value)
+        got = plan(Sq=1)
+        assert got["split_persistent"] == want, value
+        assert workspaces(got) == workspaces(default), value
+    monkeypatch.setenv("JAX_VARLEN_SPLIT_PERSISTENT", "1")
+    assert not plan(Sq=300)["split_persistent"]  # one pass: nothing to put on the grid
+
+
 def test_forward_plain_tiles_knob(monkeypatch):
     """JAX_VARLEN_FWD_PLAIN (a benchmark knob) turns the Hopper forward's loop of plain tiles on (1)
     or off (0); any other value keeps the default; it sizes no workspace. Only unpaged one-pass

@@ -100,6 +100,8 @@ struct AttentionParams {
   // (dynamic_units below) is the workspace's first word, read as an int32.
   float* workspace;
   int64_t split_keys;
+  // Split-KV on a persistent grid (the plan sets it, plan/plan.h: an experiment, off by default).
+  bool split_persistent = false;
   // Pack-GQA (the Hopper forward; the plan sets it, plan/plan.h): a sequence of the packed list
   // whose query rows are short (sm90/tile_scheduler.h, heads_of) takes units of one kv head and
   // kBlockM rows of (query row, query head of the group) pairs, so a decode row costs one tile

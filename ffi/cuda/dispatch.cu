@@ -117,6 +117,7 @@ namespace {
 // The last launch (launch_record.h), one word per field; relaxed: a test reads it after the call.
 std::atomic<int> last_fwd_path{-1}, last_bwd_path{-1};
 std::atomic<int64_t> last_split_keys{0};
+std::atomic<bool> last_split_persistent{false};
 std::atomic<bool> last_paged{false}, last_pack_gqa{false}, last_dynamic_units{false};
 std::atomic<int> last_fwd_block_n{0};
 std::atomic<bool> last_lean_units{false};
@@ -128,6 +129,7 @@ LaunchRecord last_launch() {
   r.fwd_path = last_fwd_path.load(std::memory_order_relaxed);
   r.bwd_path = last_bwd_path.load(std::memory_order_relaxed);
   r.split_keys = last_split_keys.load(std::memory_order_relaxed);
+  r.split_persistent = last_split_persistent.load(std::memory_order_relaxed);
   r.paged = last_paged.load(std::memory_order_relaxed);
   r.pack_gqa = last_pack_gqa.load(std::memory_order_relaxed);
   r.dynamic_units = last_dynamic_units.load(std::memory_order_relaxed);
@@ -159,6 +161,7 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   if (fn == nullptr) return cudaErrorInvalidValue;
   last_fwd_path.store(int(path), std::memory_order_relaxed);
   last_split_keys.store(path == FwdPath::kSm80Split ? p.split_keys : 0, std::memory_order_relaxed);
+  last_split_persistent.store(path == FwdPath::kSm80Split && p.split_persistent, std::memory_order_relaxed);
   last_paged.store(p.block_table != nullptr, std::memory_order_relaxed);
   last_pack_gqa.store(path == FwdPath::kSm90OnePass && p.pack_gqa, std::memory_order_relaxed);
   // The plan gives dynamic units to unpaged calls only, and lean units to dynamic ones only.

@@ -13,6 +13,7 @@ namespace jax_varlen::cuda {
 struct LaunchRecord {
   int fwd_path = -1, bwd_path = -1;
   int64_t split_keys = 0;
+  bool split_persistent = false;  // the split-KV forward ran on a persistent grid (Plan::split_persistent)
   bool paged = false;
   bool pack_gqa = false;  // the Hopper forward could pack query heads (Plan::pack_gqa)
   bool dynamic_units = false;  // the Hopper forward took its units from a counter

@@ -68,6 +68,10 @@ struct Plan {
   // forward's unit counter (dynamic units) wherever an sm_90 device could take the call, else 0.
   int64_t split_keys = 0;
   int64_t fwd_workspace_per_pack = 0;
+  // Split-KV on a persistent grid (JAX_VARLEN_SPLIT_PERSISTENT=1, an experiment; default off):
+  // the blocks of the split kernel's grid, in the same order, walked by a few CTAs per SM
+  // (sm80/fwd_split.cuh) instead of launched one by one; the same results bit for bit.
+  bool split_persistent = false;
   // The Hopper forward hands out its units by an atomic counter (fwd_sm90.cuh) instead of the
   // static snake: every unpaged call it takes (+15% on mixed-serve, H100, benchmarks/NOTES.md;
   // a paged call's kernel keeps the snake).
@@ -110,13 +114,15 @@ struct Plan {
 
 // Runtime switches (benchmarks/NOTES.md), environment variables read when a call is planned:
 // JAX_VARLEN_PACK_GQA=0 turns Plan::pack_gqa off (on by default); JAX_VARLEN_PAGED_SM90=1 lets
-// paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward.
+// paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward;
+// JAX_VARLEN_SPLIT_PERSISTENT=1 puts split-KV on a persistent grid (Plan::split_persistent).
 inline bool switch_is(const char* name, char value) {
   const char* v = std::getenv(name);
   return v != nullptr && v[0] == value && v[1] == '\0';
 }
 inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
 inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
+inline bool split_persistent_enabled() { return switch_is("JAX_VARLEN_SPLIT_PERSISTENT", '1'); }
 // JAX_VARLEN_FWD_PLAIN=1 / 0 turns the Hopper forward's plain-tile loop on / off (a benchmark
 // knob: it moves no bit); unset or anything else: limits.h's kFwdPlainTiles (on).
 inline bool fwd_plain_enabled() {
@@ -187,6 +193,7 @@ inline Plan make_plan(const PlanInputs& in) {
   // GPU where a one-pass grid would have a block or two per sequence.
   if (tensor_core_shapes && in.seqlen_q <= c::kSplitMaxSeqlenQ) {
     plan.split_keys = split_keys_setting();
+    plan.split_persistent = split_persistent_enabled();
     const int64_t partials =
         c::split_partials_per_seq(in.seqlen_q, in.seqlen_k, in.num_heads, in.kv_num_heads, plan.split_keys);
     // o_part [.., head_dim_v], then lse_part, then (when there is a partial) the row blocks'

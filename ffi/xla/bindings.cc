@@ -119,6 +119,7 @@ NB_MODULE(_jax_varlen, m) {
         d["fwd_path"] = path_name(plan.fwd_path);       // dispatch.cu's row, before alignment
         d["bwd_path"] = path_name(plan.bwd_path);
         d["split_keys"] = plan.split_keys;              // 0: one pass
+        d["split_persistent"] = plan.split_persistent;  // split-KV on a persistent grid (JAX_VARLEN_SPLIT_PERSISTENT)
         d["fwd_workspace_per_pack"] = plan.fwd_workspace_per_pack;
         d["dynamic_units"] = plan.dynamic_units;         // Hopper forward: a unit counter (unpaged calls)
         d["pack_gqa"] = plan.pack_gqa;                  // Hopper forward: query heads packed (JAX_VARLEN_PACK_GQA)
@@ -146,6 +147,7 @@ NB_MODULE(_jax_varlen, m) {
     d["fwd_path"] = r.fwd_path < 0 ? nb::object(nb::none()) : nb::object(nb::str(path_name(jax_varlen::FwdPath(r.fwd_path))));
     d["bwd_path"] = r.bwd_path < 0 ? nb::object(nb::none()) : nb::object(nb::str(path_name(jax_varlen::BwdPath(r.bwd_path))));
     d["split_keys"] = r.split_keys;
+    d["split_persistent"] = r.split_persistent;  // the split-KV forward ran on a persistent grid
     d["paged"] = r.paged;  // the forward read a paged cache in place
     d["pack_gqa"] = r.pack_gqa;  // the Hopper forward could pack query heads
     d["dynamic_units"] = r.dynamic_units;  // the Hopper forward's units came from a counter

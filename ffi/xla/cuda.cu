@@ -67,6 +67,7 @@ ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
       return err;
   p.workspace = workspace->typed_data();
   p.split_keys = plan->split_keys;
+  p.split_persistent = plan->split_persistent;
   p.pack_gqa = plan->pack_gqa;
   p.dynamic_units = plan->dynamic_units;
   p.fwd_block_n = plan->fwd_block_n;

@@ -27,6 +27,7 @@
 #include "cuda/sm80/softmax.h"
 #include "cuda/sm80/split_layout.h"
 #include "cuda/sm80/block_info.h"
+#include "cuda/device_info.h"
 #include "plan/limits.h"
 #include "cuda/sm80/fwd_combine.cuh"
 #include "cuda/sm80/mainloop.h"
@@ -60,17 +61,17 @@ struct SplitTraits {
   static_assert(kSplitKeys % (kWarps * kBlockN) == 0);
 };
 
-template <typename Elem, int kHeadDim, bool kSoftcap, bool kPaged, typename Tr = SplitTraits<kHeadDim>>
-__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
-    fwd_split_kernel(const __grid_constant__ AttentionParams p) {
+// One block of the grid (split, kv head x row block, sequence) = (split, head_rb, b): the body of
+// fwd_split_kernel. Every exit is block-uniform.
+template <typename Elem, int kHeadDim, bool kSoftcap, bool kPaged, typename Tr>
+__device__ __forceinline__ void split_block(const AttentionParams& p, int64_t split, int64_t head_rb, int64_t b) {
   using Ml = typename Tr::Mainloop;
   constexpr int kDT = kHeadDim / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   Elem* sQ = reinterpret_cast<Elem*>(smem);
   Elem* rings = sQ + Tr::kRows * kHeadDim;
 
-  const int64_t split = blockIdx.x, g = blockIdx.y % p.kv_num_heads, rb = blockIdx.y / p.kv_num_heads;
-  const int64_t b = blockIdx.z;
+  const int64_t g = head_rb % p.kv_num_heads, rb = head_rb / p.kv_num_heads;
   const int64_t group = p.num_heads / p.kv_num_heads;
   // Paged: the block-table entries of the split's pages, read before the sequence's length
   // (they do not depend on it) so that the two loads overlap, and kept in shared memory for the
@@ -233,19 +234,58 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
   merge_rows();
 }
 
+// split_block behind a call: inlined into a loop, its thread-invariant addresses were hoisted out
+// of it and spilled (d128: 120-152 bytes of stack, local loads in the key loop); behind a call
+// it keeps the one-block kernel's registers.
+template <typename Elem, int kHeadDim, bool kSoftcap, bool kPaged, typename Tr>
+__device__ __noinline__ void split_block_call(const AttentionParams& p, int64_t split, int64_t head_rb, int64_t b) {
+  split_block<Elem, kHeadDim, kSoftcap, kPaged, Tr>(p, split, head_rb, b);
+}
+
+// kPersistent = false: one block per grid block. kPersistent (Plan::split_persistent, an
+// experiment): a grid of a few CTAs per SM walks the same blocks in the same order (the launch's
+// linear order, x fastest), gridDim.x apart, so that no block is launched per (split, row
+// block) -- a split past its sequence's keys costs a length read, not a launch. A block's work
+// and its place in the merge order are the same either way: the results are bitwise equal.
+template <typename Elem, int kHeadDim, bool kSoftcap, bool kPaged, bool kPersistent, typename Tr = SplitTraits<kHeadDim>>
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
+    fwd_split_kernel(const __grid_constant__ AttentionParams p) {
+  if constexpr (!kPersistent) {
+    split_block<Elem, kHeadDim, kSoftcap, kPaged, Tr>(p, blockIdx.x, blockIdx.y, blockIdx.z);
+  } else {
+    const int64_t splits = max_splits(p) > 0 ? max_splits(p) : 1, head_rbs = p.kv_num_heads * (rows_padded(p) / Tr::kRows);
+    const int64_t blocks = splits * head_rbs * p.batch;
+    for (int64_t i = blockIdx.x; i < blocks; i += gridDim.x) {
+      split_block_call<Elem, kHeadDim, kSoftcap, kPaged, Tr>(p, i % splits, i / splits % head_rbs, i / (splits * head_rbs));
+      __syncthreads();  // the next block's Q and rings overwrite the shared memory this one merged in
+    }
+  }
+}
+
 template <typename Elem, int kHeadDim, typename Tr>
 cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
   const int64_t row_blocks = rows_padded(p) / Tr::kRows;
   // At least one split: with no key at all (Skv = 0) split 0 still writes the empty rows.
   const int64_t splits = max_splits(p);
-  const dim3 grid(unsigned(splits > 0 ? splits : 1), unsigned(p.kv_num_heads * row_blocks), unsigned(p.batch));
+  dim3 grid(unsigned(splits > 0 ? splits : 1), unsigned(p.kv_num_heads * row_blocks), unsigned(p.batch));
   const bool paged = p.block_table != nullptr;
-  auto kernel = p.softcap > 0.0f ? (paged ? fwd_split_kernel<Elem, kHeadDim, true, true, Tr>
-                                          : fwd_split_kernel<Elem, kHeadDim, true, false, Tr>)
-                                 : (paged ? fwd_split_kernel<Elem, kHeadDim, false, true, Tr>
-                                          : fwd_split_kernel<Elem, kHeadDim, false, false, Tr>);
+  auto pick = [&](auto persistent) {
+    constexpr bool kPersistent = decltype(persistent)::value;
+    return p.softcap > 0.0f ? (paged ? fwd_split_kernel<Elem, kHeadDim, true, true, kPersistent, Tr>
+                                     : fwd_split_kernel<Elem, kHeadDim, true, false, kPersistent, Tr>)
+                            : (paged ? fwd_split_kernel<Elem, kHeadDim, false, true, kPersistent, Tr>
+                                     : fwd_split_kernel<Elem, kHeadDim, false, false, kPersistent, Tr>);
+  };
+  auto kernel = p.split_persistent ? pick(std::true_type{}) : pick(std::false_type{});
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes));
   if (err != cudaSuccess) return err;
+  if (p.split_persistent) {  // as many CTAs as fit at once, at most one per block
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tr::kThreads, Tr::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    const int64_t blocks = int64_t(grid.x) * grid.y * grid.z, fit = int64_t(per_sm > 0 ? per_sm : 1) * sm_count();
+    grid = dim3(unsigned(blocks < fit ? blocks : fit), grid.y > 0 && grid.z > 0 ? 1u : 0u, 1u);
+  }
   if (splits > 0) {  // the row blocks' arrival counters start at 0 (none without a partial)
     err = cudaMemsetAsync(split_counter(p, 0, 0, 0), 0, size_t(split_counters(p)) * sizeof(int), stream);
     if (err != cudaSuccess) return err;

@@ -18,6 +18,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include "cuda/device_info.h"
 #include "cuda/launch.h"
 #include "core/seqlen.h"
 
@@ -104,15 +105,5 @@ struct PipelineState {
     if (++stage == kStages) { stage = 0; phase ^= 1; }
   }
 };
-
-// Number of SMs of the current device, read once per device.
-inline int sm_count() {
-  constexpr int kMaxDevices = 64;
-  static int count[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) return 1;
-  if (count[dev] == 0) cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev);
-  return count[dev] > 0 ? count[dev] : 1;
-}
 
 }  // namespace jax_varlen::cuda::sm90
