@@ -21,6 +21,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 
@@ -280,9 +281,15 @@ cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes));
   if (err != cudaSuccess) return err;
   if (p.split_persistent) {  // as many CTAs as fit at once, at most one per block
-    int per_sm = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tr::kThreads, Tr::kSmemBytes);
-    if (err != cudaSuccess) return err;
+    // CTAs per SM of each (softcap, paged) kernel, asked once: not a query per launch.
+    static std::atomic<int> fits[4];
+    std::atomic<int>& fit_of = fits[(p.softcap > 0.0f ? 2 : 0) + (paged ? 1 : 0)];
+    int per_sm = fit_of.load(std::memory_order_relaxed);
+    if (per_sm == 0) {
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tr::kThreads, Tr::kSmemBytes);
+      if (err != cudaSuccess) return err;
+      fit_of.store(per_sm, std::memory_order_relaxed);
+    }
     const int64_t blocks = int64_t(grid.x) * grid.y * grid.z, fit = int64_t(per_sm > 0 ? per_sm : 1) * sm_count();
     grid = dim3(unsigned(blocks < fit ? blocks : fit), grid.y > 0 && grid.z > 0 ? 1u : 0u, 1u);
   }
