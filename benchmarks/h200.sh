@@ -163,9 +163,9 @@ for stage in $STAGES; do
         -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . >"$OUT/ab-build.log" 2>&1) \
         || { tail -20 "$OUT/ab-build.log"; continue; }
       echo "ab: base build $(($(date +%s) - t1)) s"
-      ab_padded=${AB_SHAPES:-d128-full,d128-skewed,d64-skewed,d128-causal-skewed,prefill-right-padded,docs-causal,docs-causal-d64,mixed-serve,d256-skewed}
-      ab_packed=$(python3 "$R/benchmarks/bench.py" --list-layout packed --shapes "$ab_padded")
-      ab_padded=$(python3 "$R/benchmarks/bench.py" --list-layout padded --shapes "$ab_padded")
+      ab_shapes=${AB_SHAPES:-d128-full,d128-skewed,d64-skewed,d128-causal-skewed,prefill-right-padded,docs-causal,docs-causal-d64,mixed-serve,d256-skewed}
+      ab_packed=$(python3 "$R/benchmarks/bench.py" --list-layout packed --shapes "$ab_shapes")
+      ab_padded=$(python3 "$R/benchmarks/bench.py" --list-layout padded --shapes "$ab_shapes")
       count() { tr ',' '\n' <<<"$1" | grep -c .; }
       left=$((2 * ($(count "$ab_padded") + $(count "$ab_packed"))))  # shape runs left, both sides
       for side in base new; do

@@ -237,7 +237,7 @@ __device__ __forceinline__ void split_block(const AttentionParams& p, int64_t sp
 
 // split_block behind a call, for the persistent loop: inlined into it, its thread-invariant
 // addresses were hoisted out of the loop and spilled (d128: 120-152 bytes of stack, 45 local
-// loads); behind a call, 64-80 bytes and 34 local loads, most of them in the prologue (d64: none).
+// loads); behind a call, 56-72 bytes and ~31 local loads, most of them in the prologue (d64: none).
 template <typename Elem, int kHeadDim, bool kSoftcap, bool kPaged, typename Tr>
 __device__ __noinline__ void split_block_call(const AttentionParams& p, int64_t split, int64_t head_rb, int64_t b) {
   split_block<Elem, kHeadDim, kSoftcap, kPaged, Tr>(p, split, head_rb, b);
@@ -254,10 +254,11 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
   if constexpr (!kPersistent) {
     split_block<Elem, kHeadDim, kSoftcap, kPaged, Tr>(p, blockIdx.x, blockIdx.y, blockIdx.z);
   } else {
-    const int64_t splits = max_splits(p) > 0 ? max_splits(p) : 1, head_rbs = p.kv_num_heads * (rows_padded(p) / Tr::kRows);
-    const int64_t blocks = splits * head_rbs * p.batch;
+    const SplitGrid rect = split_grid(p);
+    const int64_t blocks = rect.blocks();
     for (int64_t i = blockIdx.x; i < blocks; i += gridDim.x) {
-      split_block_call<Elem, kHeadDim, kSoftcap, kPaged, Tr>(p, i % splits, i / splits % head_rbs, i / (splits * head_rbs));
+      split_block_call<Elem, kHeadDim, kSoftcap, kPaged, Tr>(p, i % rect.splits, i / rect.splits % rect.head_rbs,
+                                                             i / (rect.splits * rect.head_rbs));
       __syncthreads();  // the next block's Q and rings overwrite the shared memory this one merged in
     }
   }
@@ -265,10 +266,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSm)
 
 template <typename Elem, int kHeadDim, typename Tr>
 cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t row_blocks = rows_padded(p) / Tr::kRows;
-  // At least one split: with no key at all (Skv = 0) split 0 still writes the empty rows.
-  const int64_t splits = max_splits(p);
-  dim3 grid(unsigned(splits > 0 ? splits : 1), unsigned(p.kv_num_heads * row_blocks), unsigned(p.batch));
+  const SplitGrid rect = split_grid(p);
+  dim3 grid(unsigned(rect.splits), unsigned(rect.head_rbs), unsigned(rect.batch));
   const bool paged = p.block_table != nullptr;
   auto pick = [&](auto persistent) {
     constexpr bool kPersistent = decltype(persistent)::value;
@@ -290,10 +289,10 @@ cudaError_t run_fwd_split_with(const AttentionParams& p, cudaStream_t stream) {
       if (err != cudaSuccess) return err;
       fit_of.store(per_sm, std::memory_order_relaxed);
     }
-    const int64_t blocks = int64_t(grid.x) * grid.y * grid.z, fit = int64_t(per_sm > 0 ? per_sm : 1) * sm_count();
-    grid = dim3(unsigned(blocks < fit ? blocks : fit), grid.y > 0 && grid.z > 0 ? 1u : 0u, 1u);
+    const int64_t fit = int64_t(per_sm > 0 ? per_sm : 1) * sm_count();
+    grid = dim3(unsigned(rect.blocks() < fit ? rect.blocks() : fit), grid.y > 0 && grid.z > 0 ? 1u : 0u, 1u);
   }
-  if (splits > 0) {  // the row blocks' arrival counters start at 0 (none without a partial)
+  if (max_splits(p) > 0) {  // the row blocks' arrival counters start at 0 (none without a partial)
     err = cudaMemsetAsync(split_counter(p, 0, 0, 0), 0, size_t(split_counters(p)) * sizeof(int), stream);
     if (err != cudaSuccess) return err;
   }

@@ -27,6 +27,17 @@ JV_HOST_DEVICE float* split_o_part(const AttentionParams& p) { return p.workspac
 JV_HOST_DEVICE float* split_lse_part(const AttentionParams& p) {
   return p.workspace + split_partials(p) * p.head_dim_v;
 }
+// The split kernel's grid (fwd_split.cuh): splits (at least one: with no key at all, split 0
+// still writes the empty rows) x (kv head x kSplitRowBlock-row block) x sequences. The launch
+// sizes its grid by it and the persistent grid walks it.
+struct SplitGrid {
+  int64_t splits, head_rbs, batch;
+  JV_HOST_DEVICE int64_t blocks() const { return splits * head_rbs * batch; }
+};
+JV_HOST_DEVICE SplitGrid split_grid(const AttentionParams& p) {
+  const int64_t splits = max_splits(p);
+  return {splits > 0 ? splits : 1, p.kv_num_heads * (rows_padded(p) / kSplitRowBlock), p.batch};
+}
 // Arrival counters, one per (sequence, kv head, kSplitRowBlock-row block of packed rows).
 JV_HOST_DEVICE int64_t split_counters(const AttentionParams& p) {
   return p.batch * split_counters_per_seq(p.seqlen_q, p.num_heads, p.kv_num_heads);
