@@ -32,7 +32,9 @@
 #   TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more bench.py flags, e.g. --quick), STEP_S
 #   (train: timing bound per measurement, default 15); NCU_SHAPES, NCU_REGEX, NCU_GRAD
 #   (non-empty: profile gradients, e.g. with NCU_REGEX=regex:bwd_); AB_BASE, AB_SHAPES,
-#   AB_PASSES (ab: "both" by default, or fwd / train), AB_S; CMAKE_DEFINES (this tree's build only, e.g.
+#   AB_PASSES (ab: "both" by default, or fwd / train), AB_S, AB_BASE_SITE (the base prebuilt);
+#   PREBUILT (this tree's package built before the call by benchmarks/prebuild.sh, carried: no
+#   build on the device); CMAKE_DEFINES (this tree's build only, e.g.
 #   "JAX_VARLEN_CUDA_UNITS=instantiation"); OUT (output folder,
 #   default /tmp/out).
 # A folder .whl/ in the repository root (carried to the device) is installed first, into
@@ -58,11 +60,16 @@ t0=$(date +%s)
 # --upgrade: on a machine kept warm from an earlier call, replace the jax_varlen built then;
 # build/h200 (ignored, kept on the device between calls) makes that rebuild incremental.
 defines=(); for d in ${CMAKE_DEFINES:-}; do defines+=(-C "cmake.define.$d"); done
-python3 -m pip install --no-build-isolation --no-deps --upgrade --target /tmp/site \
-  -C build-dir=build/h200 -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real "${defines[@]}" . \
-  >"$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; exit 1; }
-echo "build: $(($(date +%s) - t0)) s"
+if [[ -n ${PREBUILT:-} ]]; then  # built before the call (benchmarks/prebuild.sh), carried
+  rm -rf /tmp/site/jax_varlen && cp -r "$R/$PREBUILT/jax_varlen" /tmp/site/ || exit 1
+  echo "build: prebuilt $PREBUILT"
+else
+  python3 -m pip install --no-build-isolation --no-deps --upgrade --target /tmp/site \
+    -C build-dir=build/h200 -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real "${defines[@]}" . \
+    >"$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+  echo "build: $(($(date +%s) - t0)) s"
+fi
 
 # limit STAGE_DEFAULT: the stage's time limit, cut to what is left of TOTAL_S (less 10 s to
 # copy results); prints nothing when under 30 s would be left.
@@ -158,11 +165,17 @@ for stage in $STAGES; do
       # packed): per side one process for the padded shapes and one for the packed, base then
       # new; ab_compare.py writes the ratios (ab.md). ~110 s per side at STEP_S 6 on an H100.
       t1=$(date +%s)
-      (cd "$R/${AB_BASE:?the ab stage needs AB_BASE}" && python3 -m pip install --no-build-isolation \
-        --no-deps --upgrade --target /tmp/site_base -C build-dir=build/h200-base \
-        -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . >"$OUT/ab-build.log" 2>&1) \
-        || { tail -20 "$OUT/ab-build.log"; continue; }
-      echo "ab: base build $(($(date +%s) - t1)) s"
+      mkdir -p /tmp/site_base
+      if [[ -n ${AB_BASE_SITE:-} ]]; then  # the base built before the call (benchmarks/prebuild.sh)
+        rm -rf /tmp/site_base/jax_varlen && cp -r "$R/$AB_BASE_SITE/jax_varlen" /tmp/site_base/ || continue
+        echo "ab: base prebuilt $AB_BASE_SITE"
+      else
+        (cd "$R/${AB_BASE:?the ab stage needs AB_BASE or AB_BASE_SITE}" && python3 -m pip install \
+          --no-build-isolation --no-deps --upgrade --target /tmp/site_base -C build-dir=build/h200-base \
+          -C cmake.define.JAX_VARLEN_CUDA_ARCHS=90a-real . >"$OUT/ab-build.log" 2>&1) \
+          || { tail -20 "$OUT/ab-build.log"; continue; }
+        echo "ab: base build $(($(date +%s) - t1)) s"
+      fi
       ab_shapes=${AB_SHAPES:-d128-full,d128-skewed,d64-skewed,d128-causal-skewed,prefill-right-padded,docs-causal,docs-causal-d64,mixed-serve,d256-skewed}
       ab_packed=$(python3 "$R/benchmarks/bench.py" --list-layout packed --shapes "$ab_shapes")
       ab_padded=$(python3 "$R/benchmarks/bench.py" --list-layout padded --shapes "$ab_shapes")
