@@ -92,6 +92,9 @@ def parse_args(argv=None):
                    help="forward shapes when --shapes is not given")
     p.add_argument("--passes", choices=("fwd", "train", "both"), default="fwd",
                    help="fwd: forward records; train: train + bwd records; both (default fwd)")
+    p.add_argument("--no-bwd", action="store_true",
+                   help="train pass: the training step only, no record of the backward alone "
+                        "(h200.sh's ab stage: half the compiles and timing loops)")
     p.add_argument("--impls",
                    default="jax_varlen,cudnn,fa3,xla,jax_varlen_packed,fa3_packed,dew3,dew3_packed",
                    help="forward impls")
@@ -751,7 +754,7 @@ def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock
     2.5x), each checked against the fp32 reference's gradients on the first sequences and
     timed within --step-budget-s. Returns the records (in impl order)."""
     dtype = jnp.dtype(dtype)
-    passes = ("train", "bwd")
+    passes = ("train",) if args.no_bwd else ("train", "bwd")
     order = [*import_errors, *impls]
     records, impls = unrun_records(name, shape, impls, import_errors, base_record, clock,
                                    passes, dtype=dtype.name)

@@ -61,7 +61,7 @@ t0=$(date +%s)
 # build/h200 (ignored, kept on the device between calls) makes that rebuild incremental.
 defines=(); for d in ${CMAKE_DEFINES:-}; do defines+=(-C "cmake.define.$d"); done
 if [[ -n ${PREBUILT:-} ]]; then  # built before the call (benchmarks/prebuild.sh), carried
-  rm -rf /tmp/site/jax_varlen && cp -r "$R/$PREBUILT/jax_varlen" /tmp/site/ || exit 1
+  rm -rf /tmp/site/jax_varlen /tmp/site/jax_varlen-*.dist-info && cp -r "$R/$PREBUILT/." /tmp/site/ || exit 1
   echo "build: prebuilt $PREBUILT"
 else
   python3 -m pip install --no-build-isolation --no-deps --upgrade --target /tmp/site \
@@ -167,7 +167,7 @@ for stage in $STAGES; do
       t1=$(date +%s)
       mkdir -p /tmp/site_base
       if [[ -n ${AB_BASE_SITE:-} ]]; then  # the base built before the call (benchmarks/prebuild.sh)
-        rm -rf /tmp/site_base/jax_varlen && cp -r "$R/$AB_BASE_SITE/jax_varlen" /tmp/site_base/ || continue
+        rm -rf /tmp/site_base/jax_varlen* && cp -r "$R/$AB_BASE_SITE/." /tmp/site_base/ || continue
         echo "ab: base prebuilt $AB_BASE_SITE"
       else
         (cd "$R/${AB_BASE:?the ab stage needs AB_BASE or AB_BASE_SITE}" && python3 -m pip install \
@@ -191,7 +191,7 @@ for stage in $STAGES; do
           ((share < 30)) && { echo "ab: $side $layout skipped (time)"; continue; }
           PYTHONPATH=$site timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/ab-$side" \
             --tag "ab-$layout" --passes "${AB_PASSES:-both}" --impls "$impl" --train-impls "$impl" \
-            --extra-dtype none --no-plot --budget-s $((share - 15)) --step-budget-s "${STEP_S:-6}" \
+            --extra-dtype none --no-plot --no-bwd --budget-s $((share - 15)) --step-budget-s "${STEP_S:-6}" \
             --shapes "$shapes" >"$OUT/ab-$side-$layout.log" 2>&1
         done
       done

@@ -29,5 +29,11 @@ cp -r "$src/jax_varlen" "$out/"
 find "$out" -name __pycache__ -prune -exec rm -rf {} +
 cp "$build"/_jax_varlen*.so "$out/jax_varlen/"
 strip --strip-unneeded "$out"/jax_varlen/_jax_varlen*.so
+# pip's record of the package: a source checkout run from the repository root (`python -m
+# pytest`) finds the compiled extension through it (jax_varlen/_ffi.py, _use_installed_extension).
+version=$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$src/pyproject.toml" | head -1)
+info="$out/jax_varlen-$version.dist-info"; mkdir -p "$info"
+printf 'Metadata-Version: 2.1\nName: jax_varlen\nVersion: %s\n' "$version" >"$info/METADATA"
+(cd "$out" && find jax_varlen -type f | sort | sed 's/$/,,/'; echo "${info#$out/}/METADATA,,"; echo "${info#$out/}/RECORD,,") >"$info/RECORD"
 rm -rf "$shim"
 du -sh "$out" | cut -f1
