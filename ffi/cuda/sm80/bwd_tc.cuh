@@ -188,12 +188,13 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     cp_async_commit();
   };
 
-  // The rows that see a key of this block (mask.h, row_range: query positions [i_begin, i_end)),
-  // in packed rows from the 64-row step that holds the first.
+  // The steps of kBM packed rows that hold a row seeing a key of this block (mask.h, row_range:
+  // query positions [i_begin, i_end), packed rows [i_begin * group, i_end * group); tiles_of).
   const MaskSpec mask = p.mask();
   const Range seen = row_range(mask, j0, j0 + kBN, n, Sq);
-  const int64_t r_begin = seen.empty() ? rows : seen.begin * group / kBM * kBM;
-  const int64_t r_end = seen.empty() ? rows : seen.end * group;
+  const Range steps = tiles_of<kBM>(Range{seen.begin * group, seen.end * group});
+  const int64_t r_begin = steps.empty() ? rows : steps.begin * kBM;
+  const int64_t r_end = steps.empty() ? rows : steps.end * kBM;
   const ScoreScale sc(p.scale, p.softcap);
 
   float dk[kDk ? kDT : 1][4] = {};
@@ -211,11 +212,9 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, BwdTraits<kHead
     if constexpr (kDk) gemm_abt<kHeadDim, kNT>(dp, sV, warp * 16, sdO(st));
 
     // Mask only steps with a pair outside the allowed ones: the block's last valid key, the
-    // rows' end, the causal diagonal, a window's edges. Both bounds of a row's keys grow with
-    // the row, so the step is whole iff its last row's first key and its first row's key end
-    // take in the block.
-    const bool masked = r0 + kBM > rows || key_range(mask, (r0 + kBM - 1) / group, n, Sq).begin > j0 ||
-                        key_range(mask, r0 / group, n, Sq).end < j0 + kBN;
+    // rows' end, the causal diagonal, a window's edges (mask.h, tile_needs_mask, over the step's
+    // query positions: its last packed row is past the real ones iff its query position is).
+    const bool masked = tile_needs_mask<int64_t>(mask, r0 / group, (r0 + kBM - 1) / group + 1, j0, j0 + kBN, n, Sq);
     const float* lse = sLse(st);
     const float* delta = sDelta(st);
 #pragma unroll

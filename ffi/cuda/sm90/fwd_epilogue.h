@@ -85,13 +85,17 @@ struct FwdEpilogue {
       const RowFinish fin =  // core/sinks.h: 1 / l and lse, with the sink in the denominator
           any ? finish_row</*kBase2=*/true>(softmax.m[rr], sum, sink_of(p, head)) : RowFinish{0.0f, empty_row_lse(p, head)};
       const float inv = fin.inv;
-      Element* o = dst.out + int64_t(r.row_of[rr]) * p.out_row_stride + dh * p.out_head_stride;
+      // The row's first column of this thread; the others at constant offsets from it (their
+      // column differences fold to constants, where each column's own 64-bit address would cost
+      // four instructions a store).
+      const int col0 = get<1>(cO(2 * rr));
+      Element* o = dst.out + int64_t(r.row_of[rr]) * p.out_row_stride + dh * p.out_head_stride + col0;
       auto store_pair = [&](int j) {
         const int i = 4 * j + 2 * rr;
         cutlass::Array<Element, 2> pair;
         pair[0] = Element(tOrO(i) * inv);
         pair[1] = Element(tOrO(i + 1) * inv);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(o + get<1>(cO(i))) = pair;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(o + (get<1>(cO(i)) - col0)) = pair;
       };
       if (p.head_dim_v == kHeadDim) {  // every column is real: stores at constant offsets from o
 #pragma unroll

@@ -276,10 +276,11 @@ struct TileScheduler {
     w.min_limit = int(first.end);
     w.max_first = int(last.begin);
     w.key_end = int(last.end);
-    w.t_begin = int(first.begin) / kBlockN;
-    // No tile when no row may see a key (the union of the rows' ranges is empty).
-    w.n_tiles = w.key_end > first.begin ? (w.key_end + kBlockN - 1) / kBlockN : 0;
-    if (w.n_tiles == 0) w.t_begin = 0;
+    // The key tiles of the union of its rows' ranges (mask.h, tiles_of): none when no row may
+    // see a key.
+    const Range tiles = tiles_of<kBlockN>(Range{first.begin, last.end});
+    w.t_begin = int(tiles.begin);
+    w.n_tiles = int(tiles.end);
     return w;
   }
 };
