@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a source tree for the device here, so that a device call spends none of its time on the
-# build (~125 s a tree on the device): the extension for sm_90a and the device's Python (3.12,
-# a stable-ABI module), with the package's Python files beside it, in a folder that h200.sh
+# build (~125 s a tree on the device): the extension for sm_90a and the device's Python (3.12),
+# with the package's Python files and pip's record beside it, in a folder that h200.sh
 # takes as PREBUILT (this tree) or AB_BASE_SITE (the ab stage's base). Usage:
 #   bash benchmarks/prebuild.sh SOURCE_TREE OUT_SITE [BUILD_DIR]
 # Env: PY_DEVICE, a Python of the device's minor version (default: pyenv's 3.12); PY_HOST, the
@@ -22,7 +22,8 @@ printf 'class ffi:\n    @staticmethod\n    def include_dir():\n        return %s
 PYTHONPATH=$shim cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DPython_EXECUTABLE="$PY_DEVICE" -DJAX_VARLEN_CUDA=ON -DJAX_VARLEN_CUDA_ARCHS=90a-real >"$build.log" 2>&1 \
   || { tail -20 "$build.log"; exit 1; }
-grep -q "Hopper" "$build.log" && grep -i "hopper\|cutlass" "$build.log" | head -2
+# Without CUTLASS the build leaves the Hopper path out, silently: useless on the device.
+grep -q "Hopper (sm_90a) path" "$build.log" || { echo "prebuild: no Hopper path (nvidia-cutlass?)"; tail -5 "$build.log"; exit 1; }
 PYTHONPATH=$shim cmake --build "$build" >>"$build.log" 2>&1 || { tail -30 "$build.log"; exit 1; }
 rm -rf "$out"; mkdir -p "$out"
 cp -r "$src/jax_varlen" "$out/"
