@@ -5,7 +5,9 @@ Usage: python3 benchmarks/ab_compare.py BASE NEW [--tolerance 0.02] [--out FILE.
 
 BASE and NEW are bench.py's record files (a list, or {"records": [...]}), or folders of them
 (every *.json inside), of the same shapes and passes, from the base build and the new one
-(h200.sh's ``ab`` stage runs both in one call).
+(h200.sh's ``ab`` stage runs both in one call). A record timed in several files of one side
+(h200.sh's AB_ROUNDS: base, new, base, new, ... interleaved, so that a drift of the machine
+between processes falls on both sides) counts with its fastest time.
 For each (shape, impl, dtype, pass) timed in both, prints the base and new times and new / base;
 rows slower than 1 + tolerance are marked SLOWER. Exit status 0 either way (the table is the
 verdict); 2 when the files share no timed record.
@@ -21,7 +23,8 @@ import sys
 
 
 def records(path: str) -> dict:
-    """{(shape, impl, dtype, pass): ms} of the timed records of a file, or of a folder's files."""
+    """{(shape, impl, dtype, pass): ms} of the timed records of a file, or of a folder's files
+    (the fastest where a record was timed more than once)."""
     paths = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
     rows = []
     for p in paths:
@@ -33,7 +36,7 @@ def records(path: str) -> dict:
         if r.get("ms") is None or r.get("error") or r.get("skipped"):
             continue
         key = (r["shape"], r["impl"], r.get("dtype", ""), r["pass"])
-        out[key] = float(r["ms"])
+        out[key] = min(float(r["ms"]), out.get(key, float("inf")))
     return out
 
 

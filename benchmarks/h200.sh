@@ -32,7 +32,8 @@
 #   TRAIN_SHAPES (train), BENCH_ARGS / TRAIN_ARGS (more bench.py flags, e.g. --quick), STEP_S
 #   (train: timing bound per measurement, default 15); NCU_SHAPES, NCU_REGEX, NCU_GRAD
 #   (non-empty: profile gradients, e.g. with NCU_REGEX=regex:bwd_); AB_BASE, AB_SHAPES,
-#   AB_PASSES (ab: "both" by default, or fwd / train), AB_S, AB_BASE_SITE (the base prebuilt);
+#   AB_PASSES (ab: "both" by default, or fwd / train), AB_S, AB_ROUNDS (1; n: base and new
+#   interleaved n times, each record's fastest counts), AB_BASE_SITE (the base prebuilt);
 #   PREBUILT (this tree's package built before the call by benchmarks/prebuild.sh, carried: no
 #   build on the device); CMAKE_DEFINES (this tree's build only, e.g.
 #   "JAX_VARLEN_CUDA_UNITS=instantiation"); OUT (output folder,
@@ -180,19 +181,22 @@ for stage in $STAGES; do
       ab_packed=$(python3 "$R/benchmarks/bench.py" --list-layout packed --shapes "$ab_shapes")
       ab_padded=$(python3 "$R/benchmarks/bench.py" --list-layout padded --shapes "$ab_shapes")
       count() { tr ',' '\n' <<<"$1" | grep -c .; }
-      left=$((2 * ($(count "$ab_padded") + $(count "$ab_packed"))))  # shape runs left, both sides
-      for side in base new; do
-        site=/tmp/site; [[ $side == base ]] && site=/tmp/site_base:/tmp/site
-        for layout in padded packed; do
-          shapes=$ab_padded impl=jax_varlen; [[ $layout == packed ]] && shapes=$ab_packed impl=jax_varlen_packed
-          n=$(count "$shapes"); ((n == 0)) && continue
-          # what is left of L, shared in proportion to the shapes of this run and the later ones
-          share=$(( (L - ($(date +%s) - t0)) * n / left )); left=$((left - n))
-          ((share < 30)) && { echo "ab: $side $layout skipped (time)"; continue; }
-          PYTHONPATH=$site timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/ab-$side" \
-            --tag "ab-$layout" --passes "${AB_PASSES:-both}" --impls "$impl" --train-impls "$impl" \
-            --extra-dtype none --no-plot --no-bwd --budget-s $((share - 15)) --step-budget-s "${STEP_S:-6}" \
-            --shapes "$shapes" >"$OUT/ab-$side-$layout.log" 2>&1
+      rounds=${AB_ROUNDS:-1}  # base, new, base, new, ...: ab_compare takes each record's fastest
+      left=$((2 * rounds * ($(count "$ab_padded") + $(count "$ab_packed"))))  # shape runs left
+      for round in $(seq 1 "$rounds"); do
+        for side in base new; do
+          site=/tmp/site; [[ $side == base ]] && site=/tmp/site_base:/tmp/site
+          for layout in padded packed; do
+            shapes=$ab_padded impl=jax_varlen; [[ $layout == packed ]] && shapes=$ab_packed impl=jax_varlen_packed
+            n=$(count "$shapes"); ((n == 0)) && continue
+            # what is left of L, shared in proportion to the shapes of this run and the later ones
+            share=$(( (L - ($(date +%s) - t0)) * n / left )); left=$((left - n))
+            ((share < 30)) && { echo "ab: $side $layout round $round skipped (time)"; continue; }
+            PYTHONPATH=$site timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/ab-$side" \
+              --tag "ab-$layout-r$round" --passes "${AB_PASSES:-both}" --impls "$impl" --train-impls "$impl" \
+              --extra-dtype none --no-plot --no-bwd --budget-s $((share - 15)) --step-budget-s "${STEP_S:-6}" \
+              --shapes "$shapes" >"$OUT/ab-$side-$layout-r$round.log" 2>&1
+          done
         done
       done
       python3 "$R/benchmarks/ab_compare.py" "$OUT/ab-base" "$OUT/ab-new" --out "$OUT/ab.md" | tail -4 ;;
