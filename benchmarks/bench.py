@@ -750,8 +750,8 @@ def backward_alone(vjp_fns, douts):
 
 def run_train(name, shape, dtype, impls, import_errors, args, base_record, clock):
     """Per impl, a training step ("train": forward + backward of sum(out * dO) through jax.vjp,
-    3.5x the forward's FLOPs) and the backward alone ("bwd": the vjp function applied to dO,
-    2.5x), each checked against the fp32 reference's gradients on the first sequences and
+    3.5x the forward's FLOPs) and, unless --no-bwd, the backward alone ("bwd": the vjp function
+    applied to dO, 2.5x), each checked against the fp32 reference's gradients on the first sequences and
     timed within --step-budget-s. Returns the records (in impl order)."""
     dtype = jnp.dtype(dtype)
     passes = ("train",) if args.no_bwd else ("train", "bwd")

@@ -62,6 +62,7 @@ t0=$(date +%s)
 # build/h200 (ignored, kept on the device between calls) makes that rebuild incremental.
 defines=(); for d in ${CMAKE_DEFINES:-}; do defines+=(-C "cmake.define.$d"); done
 if [[ -n ${PREBUILT:-} ]]; then  # built before the call (benchmarks/prebuild.sh), carried
+  [[ -z ${CMAKE_DEFINES:-} ]] || { echo "CMAKE_DEFINES has no effect on a PREBUILT package: pass them to its build"; exit 1; }
   rm -rf /tmp/site/jax_varlen /tmp/site/jax_varlen-*.dist-info && cp -r "$R/$PREBUILT/." /tmp/site/ || exit 1
   echo "build: prebuilt $PREBUILT"
 else
