@@ -108,6 +108,9 @@ def test_persistent_grid_moves_no_bit(monkeypatch, Sq, window, paged):
         assert launch["split_keys"] > 0 and launch["split_persistent"] == (value == "1")
     assert bits(results["1"][0]) == bits(results["0"][0])
     assert bits(results["1"][1]) == bits(results["0"][1])
-    hi_out, hi_lse = oracle_hi(q, k, v, n, return_lse=True, **kw)
-    assert_out_close(results["1"][0], hi_out, None, jnp.bfloat16)
-    assert_lse_close(results["1"][1], hi_lse)
+    # The float64 oracle on the edge lengths and every 12th other sequence (sequences are
+    # independent): all 130 upcast on the CPU is 1.6 GB of keys and values, ~20 s a case.
+    sel = np.r_[0:6, 6:B:12]
+    hi_out, hi_lse = oracle_hi(q[sel], k[sel], v[sel], n[sel], return_lse=True, **kw)
+    assert_out_close(results["1"][0][sel], hi_out, None, jnp.bfloat16)
+    assert_lse_close(results["1"][1][sel], hi_lse)
