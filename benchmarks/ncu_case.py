@@ -8,7 +8,8 @@ compiles), so `--launch-count 2` per shape profiles a warm launch too. A shape's
 rows (lengths_q) go in as nonpad_q_seqlen; --packed calls packed_attention on the shape's valid
 tokens instead (bench.Packed, as the benchmark's jax_varlen_packed); --fa3 with --packed runs
 FA3's flash_mha_varlen on the same tokens instead (the peer's kernel, side by side with ours in
-another ncu run; its kernels match -k "regex:flash|Flash|device_kernel"); --dew3 runs the
+another ncu run; its kernels match -k "regex:flash|Flash|device_kernel"), and without --packed
+FA3 on the padded shape as bench.py times it (flash_mha_varlen with seqused_k); --dew3 runs the
 current FA3 build (dew_flash_attn) instead: flash_mha on a padded shape (its lengths ignored:
 full shapes only), flash_mha_varlen by the queries' and keys' offsets with --packed. A paged shape
 (decode-paged) runs paged_attention on bench.Paged's shuffled cache, or with --fa3
@@ -62,6 +63,11 @@ def call(jax_varlen, shape, packed, fa3=False, dew3=False):
                                                     **pk.hints)), pk.pack(*inputs)
         return (lambda q, k, v, cq, ck: jax_varlen.packed_attention(
             q, k, v, cq, ck, is_causal=causal, **pk.hints)), pk.pack(*inputs)
+    if fa3:  # the padded call as bench.py times FA3 (flash_mha_varlen with seqused_k)
+        fns, error = bench.fa3_fn()
+        if fns is None:
+            sys.exit(error)
+        return functools.partial(fns[0], scale=scale, is_causal=causal), inputs
     return (lambda q, k, v, n, n_q=None: jax_varlen.attention(
         q, k, v, n, nonpad_q_seqlen=n_q, is_causal=causal)), inputs
 
