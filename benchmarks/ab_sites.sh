@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Time a few shapes on several prebuilt packages (benchmarks/prebuild.sh) and runtime switches in
-# one device call, interleaved (IMPLS: jax_varlen; jax_varlen_packed for packed shapes), to find which step between two builds moved a shape (a bisection
+# one device call, interleaved, to find which step between two builds moved a shape (a bisection
 # of an A/B's SLOWER record). Run from the repository root on the device, after h200.sh's setup
-# or on its own (it needs only jax and the carried packages).
+# or on its own (it needs only jax and the carried packages). IMPLS: jax_varlen (default), or
+# jax_varlen_packed for packed shapes (one layout per run: bench.py would time a padded shape's
+# packed call too).
 #   VARIANTS="base=.scratch/site_base new=.scratch/site_new new-plain0=.scratch/site_new@JAX_VARLEN_FWD_PLAIN=0"
 #   SHAPES=d128-skewed PASSES=fwd ROUNDS=2 STEP_S=5 BUDGET_S=300 bash benchmarks/ab_sites.sh
 # A variant is LABEL=SITE[@VAR=VALUE[,VAR=VALUE...]]: SITE (relative to the repository root) goes
