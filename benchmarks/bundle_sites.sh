@@ -20,11 +20,12 @@ for spec in "$@"; do
   site=.scratch/site_$name; id="$(git rev-parse --short "$commit") sources $src${patch:+ + $(sha1sum <"$patch" | cut -c1-12)}"
   names+=("site_$name")
   if [[ -f $site/SPEC && $(cut -d' ' -f2- "$site/SPEC") == "${id#* }" ]]; then echo "$name: reused ($id)"; continue; fi
-  tree=.scratch/tree_$name; rm -rf "$tree" "$site"; mkdir -p "$tree"
+  tree=.scratch/tree_$name; build=/tmp/prebuild-site_$name  # a fresh build folder: CMake's cache names its source
+  rm -rf "$tree" "$site" "$build"; mkdir -p "$tree"
   git archive "$commit" | tar -x -C "$tree"
   [[ -z $patch ]] || (cd "$tree" && patch -p1 -s <"$root/$patch")
   t0=$(date +%s)
-  bash benchmarks/prebuild.sh "$tree" "$site" "/tmp/prebuild-site_$name" >/dev/null
+  bash benchmarks/prebuild.sh "$tree" "$site" "$build" >"$build.out" || { cat "$build.out"; exit 1; }
   echo "$id" >"$site/SPEC"
   echo "$name: built $id in $(($(date +%s) - t0)) s"
 done

@@ -163,9 +163,8 @@ for stage in $STAGES; do
       # /tmp/site_base and put first on PYTHONPATH for the base's runs. Both run this tree's
       # bench.py (which passes the newer arguments only where a shape uses them) on AB_SHAPES
       # (default: every named padded and packed shape), AB_PASSES ("both": forward and training
-      # step), each shape by the impl of its layout (jax_varlen padded, jax_varlen_packed
-      # packed): per side one process for the padded shapes and one for the packed, base then
-      # new; ab_compare.py writes the ratios (ab.md). ~110 s per side at STEP_S 6 on an H100.
+      # step), through ab_sites.sh (each shape by the impl of its layout, one process per layout
+      # and side; the ratios in ab.md). ~110 s per side at STEP_S 6 on an H100.
       t1=$(date +%s)
       mkdir -p /tmp/site_base
       if [[ -n ${AB_BASE_SITE:-} ]]; then  # the base built before the call (benchmarks/prebuild.sh)
@@ -178,29 +177,11 @@ for stage in $STAGES; do
           || { tail -20 "$OUT/ab-build.log"; continue; }
         echo "ab: base build $(($(date +%s) - t1)) s"
       fi
-      ab_shapes=${AB_SHAPES:-d128-full,d128-skewed,d64-skewed,d128-causal-skewed,prefill-right-padded,docs-causal,docs-causal-d64,mixed-serve,d256-skewed}
-      ab_packed=$(python3 "$R/benchmarks/bench.py" --list-layout packed --shapes "$ab_shapes")
-      ab_padded=$(python3 "$R/benchmarks/bench.py" --list-layout padded --shapes "$ab_shapes")
-      count() { tr ',' '\n' <<<"$1" | grep -c .; }
-      rounds=${AB_ROUNDS:-1}  # base, new, base, new, ...: ab_compare takes each record's fastest
-      left=$((2 * rounds * ($(count "$ab_padded") + $(count "$ab_packed"))))  # shape runs left
-      for round in $(seq 1 "$rounds"); do
-        for side in base new; do
-          site=/tmp/site; [[ $side == base ]] && site=/tmp/site_base:/tmp/site
-          for layout in padded packed; do
-            shapes=$ab_padded impl=jax_varlen; [[ $layout == packed ]] && shapes=$ab_packed impl=jax_varlen_packed
-            n=$(count "$shapes"); ((n == 0)) && continue
-            # what is left of L, shared in proportion to the shapes of this run and the later ones
-            share=$(( (L - ($(date +%s) - t0)) * n / left )); left=$((left - n))
-            ((share < 30)) && { echo "ab: $side $layout round $round skipped (time)"; continue; }
-            PYTHONPATH=$site timeout "$share" python3 "$R/benchmarks/bench.py" --out "$OUT/ab-$side" \
-              --tag "ab-$layout-r$round" --passes "${AB_PASSES:-both}" --impls "$impl" --train-impls "$impl" \
-              --extra-dtype none --no-plot --no-bwd --budget-s $((share - 15)) --step-budget-s "${STEP_S:-6}" \
-              --shapes "$shapes" >"$OUT/ab-$side-$layout-r$round.log" 2>&1
-          done
-        done
-      done
-      python3 "$R/benchmarks/ab_compare.py" "$OUT/ab-base" "$OUT/ab-new" --out "$OUT/ab.md" | tail -4 ;;
+      # ab_sites.sh times both, base first, AB_ROUNDS interleaved, with what is left of L.
+      (cd "$R" && OUT=$OUT/ab VARIANTS="base=/tmp/site_base new=/tmp/site" PASSES="${AB_PASSES:-both}" \
+        SHAPES=${AB_SHAPES:-d128-full,d128-skewed,d64-skewed,d128-causal-skewed,prefill-right-padded,docs-causal,docs-causal-d64,mixed-serve,d256-skewed} \
+        ROUNDS=${AB_ROUNDS:-1} STEP_S=${STEP_S:-6} BUDGET_S=$((L - ($(date +%s) - t0))) bash benchmarks/ab_sites.sh) | tail -4
+      cp "$OUT/ab/sites-new.md" "$OUT/ab.md" ;;
     ncu) L=$(limit "${NCU_S:-200}") || { echo "ncu: skipped (time)"; continue; }
       # fwd_tc_kernel / fwd_split_kernel (sm80 path) and fwd_sm90_kernel (Hopper path)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$L" ncu --clock-control none \
