@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 OUT=$OUT/setup PREBUILT=.scratch/site_new TOTAL_S=60 CMD=true bash benchmarks/h200.sh cmd >/dev/null 2>&1
 export PYTHONPATH=/tmp/site
 OUT=$OUT/staged VARIANTS="head=.scratch/site_new staged=.scratch/site_staged" PASSES=fwd ROUNDS=2 STEP_S=4 \
-  SHAPES=d128-skewed,docs-causal,mixed-serve,docs-causal-d64,d128-causal-skewed,d64-skewed BUDGET_S=${STAGED_S:-230} \
+  SHAPES=d128-skewed,docs-causal,mixed-serve,docs-causal-d64,d128-causal-skewed,d64-skewed,d128-full BUDGET_S=${STAGED_S:-240} \
   bash benchmarks/ab_sites.sh
 echo "staged A/B done: $(( $(date +%s) - T0 )) s"
 OUT=$OUT/tests PREBUILT=.scratch/site_staged PYTEST_ARGS="-n 8" TESTS_S=${TESTS_S:-140} TOTAL_S=150 bash benchmarks/h200.sh tests 2>&1 | tail -4
