@@ -187,6 +187,34 @@ def test_plain_tiles_change_no_bit(monkeypatch, layout):
         assert not jax_varlen._ffi.extension().last_launch()["fwd_plain_tiles"]
 
 
+@pytest.mark.parametrize("case", ["causal-step-d128", "full-step-d128", "softcap-step-d128"])
+def test_mixed_order_moves_no_bit(monkeypatch, case):
+    """The packed list's mixed order (JAX_VARLEN_FWD_MIXED_ORDER, plan.h; tile_scheduler.h,
+    sort_sequences): a serving step of chunks and decode rows (pack-GQA units beside whole
+    tiles; 3 x 8 sequences, so the two classes interleave) ranked in either order gives out and
+    lse bitwise the same (the default order's are checked against the oracle by
+    test_serving_step_walks_only_real_units and test_pack_gqa_serving_step), the launch saying
+    which ran: the lean kernel (causal), the 176-key one (no mask) and the softcap one."""
+    _hopper()
+    lens_q = [1, 700, 3, 1, 60, 2, 129, 1] * 3
+    rng = np.random.default_rng(53)
+    lens_k = [n + int(rng.integers(0, 3000)) for n in lens_q]
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, H=8, Hkv=2, D=128, Dv=128, dtype=jnp.bfloat16)
+    kw = dict(is_causal=case.startswith("causal"), softcap=20.0 if case.startswith("softcap") else 0.0,
+              max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    make = lambda: jax.jit(lambda *a: jax_varlen.packed_attention(*a, return_lse=True, **kw))  # noqa: E731
+    monkeypatch.delenv("JAX_VARLEN_FWD_MIXED_ORDER", raising=False)
+    base = make()(q, k, v, cu_q, cu_k)
+    launch = jax_varlen._ffi.extension().last_launch()
+    assert launch["pack_gqa"] and not launch["fwd_mixed_order"]
+    assert launch["fwd_block_n"] == (128 if kw["is_causal"] else 176)
+    monkeypatch.setenv("JAX_VARLEN_FWD_MIXED_ORDER", "1")
+    for _ in range(2):  # and the same again: deterministic
+        out, lse = make()(q, k, v, cu_q, cu_k)
+        assert jax_varlen._ffi.extension().last_launch()["fwd_mixed_order"]
+        assert bits(out) == bits(base[0]) and bits(lse) == bits(base[1])
+
+
 def test_batch_past_the_sorted_limit():
     """More sequences than the kernel sorts in shared memory: they keep their own order."""
     _hopper()

@@ -120,6 +120,28 @@ def test_forward_plain_tiles_knob(monkeypatch):
     assert not plan(Sq=4, compute_major=9, is_causal=True)["fwd_plain_tiles"]  # split-KV
 
 
+def test_forward_mixed_order_knob(monkeypatch):
+    """JAX_VARLEN_FWD_MIXED_ORDER=1 (an experiment, off by default) gives the Hopper forward's
+    calls the mixed order of the packed list (a padded call's list ignores it); any other value,
+    or another path (the sm80 kernels, split-KV), keeps the ranking by keys; it sizes no
+    workspace."""
+    gqa = dict(Sq=300, compute_major=9, is_causal=True)
+    monkeypatch.delenv("JAX_VARLEN_FWD_MIXED_ORDER", raising=False)
+    default = plan(**gqa)
+    assert not default["fwd_mixed_order"]
+    monkeypatch.setenv("JAX_VARLEN_FWD_MIXED_ORDER", "1")
+    got = plan(**gqa)
+    assert got["fwd_mixed_order"] == (got["fwd_path"] == "sm90_one_pass") == _ffi.extension().with_sm90
+    assert workspaces(got) == workspaces(default)
+    if _ffi.extension().with_sm90:  # every bucket, any mask, with or without a group
+        assert plan(Sq=300, D=256, H=8, Hkv=8, compute_major=9)["fwd_mixed_order"]
+    assert not plan(Sq=300, compute_major=8)["fwd_mixed_order"]  # the sm80 kernels
+    assert not plan(Sq=4, compute_major=9)["fwd_mixed_order"]  # split-KV
+    for value in ("0", "2", "", "on"):
+        monkeypatch.setenv("JAX_VARLEN_FWD_MIXED_ORDER", value)
+        assert not plan(**gqa)["fwd_mixed_order"], value
+
+
 @pytest.mark.parametrize("case", ["float32", "odd-head-dim", "odd-value-head-dim"])
 def test_portable_calls_take_no_workspace(case):
     """Float32 and head sizes off the multiples of 8 run the portable kernels at any query

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Session r's first device call (cold), in priority order: the staged-O experiment against HEAD
-# on the shapes with many units (forward, two interleaved rounds); the whole suite over the
-# staged build; then Nsight Compute on the d128-skewed forward, 7d8a538 against HEAD, one warm
-# launch each. Carry .scratch/q2 (sites.tar.xz: the prebuilt packages; whl/: flash-attn3-jax,
-# xdist, execnet). Results come back as $OUT/all.tgz.
+# on the shapes with many units (forward, two interleaved rounds); the mixed order
+# (JAX_VARLEN_FWD_MIXED_ORDER=1; site_mixed, this session's tree) against HEAD on mixed-serve,
+# and its GPU tests; the whole suite over the staged build. Carry .scratch/q2 (sites.tar.xz: the
+# prebuilt packages; site_mixed.tar.xz; whl/: flash-attn3-jax, xdist, execnet). Results come
+# back as $OUT/all.tgz.
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 T0=$(date +%s)
 python3 -c "import tarfile; tarfile.open('.scratch/q2/sites.tar.xz').extractall('.scratch')" || exit 1
+python3 -c "import tarfile; tarfile.open('.scratch/q2/site_mixed.tar.xz').extractall('.scratch')" || exit 1
 mkdir -p .whl && cp .scratch/q2/whl/*.whl .whl/
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # h200.sh's setup only (the wheels into /tmp/site), through a stage that does nothing; each h200.sh
@@ -14,13 +16,17 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 OUT=$OUT/setup PREBUILT=.scratch/site_new TOTAL_S=60 CMD=true bash benchmarks/h200.sh cmd >/dev/null 2>&1
 export PYTHONPATH=/tmp/site
 OUT=$OUT/staged VARIANTS="head=.scratch/site_new staged=.scratch/site_staged" PASSES=fwd ROUNDS=2 STEP_S=4 \
-  SHAPES=d128-skewed,docs-causal,mixed-serve,docs-causal-d64,d128-causal-skewed,d64-skewed,d128-full BUDGET_S=${STAGED_S:-240} \
+  SHAPES=d128-skewed,docs-causal,mixed-serve,docs-causal-d64,d128-causal-skewed,d64-skewed,d128-full BUDGET_S=${STAGED_S:-210} \
   bash benchmarks/ab_sites.sh
 echo "staged A/B done: $(( $(date +%s) - T0 )) s"
-OUT=$OUT/tests PREBUILT=.scratch/site_staged PYTEST_ARGS="-n 8" TESTS_S=${TESTS_S:-140} TOTAL_S=150 bash benchmarks/h200.sh tests 2>&1 | tail -4
-echo "tests done: $(( $(date +%s) - T0 )) s"
-export PYTHONPATH=/tmp/site
-NCU_VARIANT_S=75 VARIANTS="base=.scratch/site_base head=.scratch/site_new" SHAPES=d128-skewed NCU_REGEX=regex:fwd_sm90 \
-  bash benchmarks/ncu_sites.sh
+OUT=$OUT/mixed VARIANTS="head=.scratch/site_new mixed=.scratch/site_mixed@JAX_VARLEN_FWD_MIXED_ORDER=1 \
+mixed_off=.scratch/site_mixed" SHAPES=mixed-serve PASSES=fwd ROUNDS=2 STEP_S=4 BUDGET_S=${MIXED_S:-130} \
+  bash benchmarks/ab_sites.sh
+OUT=$OUT/tests_mixed PREBUILT=.scratch/site_mixed TESTS_S=60 TOTAL_S=70 PYTEST_K="mixed_order or serving_step" \
+  bash benchmarks/h200.sh tests 2>&1 | tail -4
+echo "mixed done: $(( $(date +%s) - T0 )) s"
+left() { echo $(( 570 - ($(date +%s) - T0) )); }
+(( $(left) > 60 )) && OUT=$OUT/tests PREBUILT=.scratch/site_staged PYTEST_ARGS="-n 8" TESTS_S=$(( $(left) - 10 )) \
+  TOTAL_S=$(left) bash benchmarks/h200.sh tests 2>&1 | tail -4
 echo "call: $(( $(date +%s) - T0 )) s"
 cd "$OUT" && tar --exclude="*.ncu-rep" -czf /tmp/all.tgz . && rm -rf ./* && mv /tmp/all.tgz "$OUT/"

@@ -120,6 +120,11 @@ struct AttentionParams {
   // The unpaged Hopper kernels' loop of plain tiles (the plan sets it: limits.h, kFwdPlainTiles;
   // the softcap kernels have none).
   bool fwd_plain_tiles = false;
+  // Mixed order (the plan sets it, plan/plan.h: JAX_VARLEN_FWD_MIXED_ORDER=1, an experiment, off
+  // by default): the Hopper forward's sorted packed list ranks the sequences of few tile rows
+  // (decode rows: bandwidth-bound) apart from the others and interleaves the two classes' units
+  // (sm90/tile_scheduler.h). It moves no bit: each unit is computed whole.
+  bool fwd_mixed_order = false;
 
   float scale;    // multiplies <q, k>
   float softcap;  // 0 = off; else s = softcap * tanh(s / softcap)

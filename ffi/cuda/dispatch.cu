@@ -122,6 +122,7 @@ std::atomic<bool> last_paged{false}, last_pack_gqa{false}, last_dynamic_units{fa
 std::atomic<int> last_fwd_block_n{0};
 std::atomic<bool> last_lean_units{false};
 std::atomic<bool> last_fwd_plain_tiles{false};
+std::atomic<bool> last_fwd_mixed_order{false};
 }  // namespace
 
 LaunchRecord last_launch() {
@@ -136,6 +137,7 @@ LaunchRecord last_launch() {
   r.fwd_block_n = last_fwd_block_n.load(std::memory_order_relaxed);
   r.lean_units = last_lean_units.load(std::memory_order_relaxed);
   r.fwd_plain_tiles = last_fwd_plain_tiles.load(std::memory_order_relaxed);
+  r.fwd_mixed_order = last_fwd_mixed_order.load(std::memory_order_relaxed);
   return r;
 }
 
@@ -171,6 +173,10 @@ cudaError_t run_fwd(const AttentionParams& p, const Plan& plan, cudaStream_t str
   // The plain loop runs where the plan turns it on, in the kernels without softcap, for a
   // positive scale (fwd_softmax.h: the max on raw scores).
   last_fwd_plain_tiles.store(path == FwdPath::kSm90OnePass && p.fwd_plain_tiles && !(p.softcap > 0.0f) && p.scale > 0.0f,
+                             std::memory_order_relaxed);
+  // The mixed order ranks a sorted packed list: at most kFwdMaxSortedBatch sequences (sm90/tile_scheduler.h).
+  last_fwd_mixed_order.store(path == FwdPath::kSm90OnePass && p.fwd_mixed_order && p.cu_seqlens_q != nullptr &&
+                                 p.batch <= kFwdMaxSortedBatch,
                              std::memory_order_relaxed);
   // The packed layout's unowned query rows (portable/packed_fill.cuh): the Hopper forward's
   // idle producer warps zero them while it computes (not when all four gather pages); any

@@ -20,6 +20,7 @@ struct LaunchRecord {
   int fwd_block_n = 0;  // the Hopper forward's keys per tile (0: another path)
   bool lean_units = false;  // the Hopper forward ran its lean kernel (Plan::lean_units)
   bool fwd_plain_tiles = false;  // the Hopper forward ran its plain-tile loop (Plan::fwd_plain_tiles, no softcap)
+  bool fwd_mixed_order = false;  // the Hopper forward ranked a packed list in the mixed order (Plan::fwd_mixed_order)
 };
 LaunchRecord last_launch();
 

@@ -56,6 +56,9 @@ constexpr int kMaxSplitPages = 8192 / kPagedRun + 2;
 
 // Hopper forward (sm90/fwd_sm90.cuh): query rows of one work unit, at every head size.
 constexpr int kFwdSm90BlockM = 128;
+// Batches up to this size are ranked heaviest-first inside each CTA (sm90/tile_scheduler.h,
+// sort_sequences; order and lengths in shared memory); larger ones keep their own order.
+constexpr int kFwdMaxSortedBatch = 384;
 // Its keys per tile (the plan's fwd_block_n): the widest that fits shared memory (Q + 2 stages
 // of K and V: 96, 208 and 224 KB) and registers (S, P and O of 64 rows per consumer thread) --
 // 128, 176, 80 at buckets 64, 128, 256 -- except that a banded call (causal or a local window)

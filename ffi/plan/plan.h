@@ -91,6 +91,12 @@ struct Plan {
   // Plain tiles (limits.h, kFwdPlainTiles): the unpaged kernels of fwd_sm90_plain_kernels run
   // the tiles that need no mask in a loop without a branch; only with dynamic_units.
   bool fwd_plain_tiles = false;
+  // Mixed order (JAX_VARLEN_FWD_MIXED_ORDER=1, an experiment, off by default; the Hopper forward):
+  // a sorted packed list interleaves the units of the sequences of few tile rows (decode rows,
+  // speculative tokens: each unit streams its keys for a few rows, bound by bandwidth) with the
+  // others' (bound by the tensor cores) instead of ranking all by keys, which runs the long
+  // decode rows in a wave of their own (sm90/tile_scheduler.h). It moves no bit.
+  bool fwd_mixed_order = false;
   // Hopper backward: query rows per dQ step, row-block slots per (pack, head), and the dQ
   // workspace, float32 elements per pack (tiles and counters, layout: plan/limits.h); all 0
   // when the call never takes that kernel.
@@ -115,7 +121,8 @@ struct Plan {
 // Runtime switches (benchmarks/NOTES.md), environment variables read when a call is planned:
 // JAX_VARLEN_PACK_GQA=0 turns Plan::pack_gqa off (on by default); JAX_VARLEN_PAGED_SM90=1 lets
 // paged calls with more than kSplitMaxSeqlenQ queries read pages in the Hopper forward;
-// JAX_VARLEN_SPLIT_PERSISTENT=1 puts split-KV on a persistent grid (Plan::split_persistent).
+// JAX_VARLEN_SPLIT_PERSISTENT=1 puts split-KV on a persistent grid (Plan::split_persistent);
+// JAX_VARLEN_FWD_MIXED_ORDER=1 turns Plan::fwd_mixed_order on.
 inline bool switch_is(const char* name, char value) {
   const char* v = std::getenv(name);
   return v != nullptr && v[0] == value && v[1] == '\0';
@@ -123,6 +130,7 @@ inline bool switch_is(const char* name, char value) {
 inline bool pack_gqa_enabled() { return !switch_is("JAX_VARLEN_PACK_GQA", '0'); }
 inline bool paged_sm90_enabled() { return switch_is("JAX_VARLEN_PAGED_SM90", '1'); }
 inline bool split_persistent_enabled() { return switch_is("JAX_VARLEN_SPLIT_PERSISTENT", '1'); }
+inline bool fwd_mixed_order_enabled() { return switch_is("JAX_VARLEN_FWD_MIXED_ORDER", '1'); }
 // JAX_VARLEN_FWD_PLAIN=1 / 0 turns the Hopper forward's plain-tile loop on / off (a benchmark
 // knob: it moves no bit); unset or anything else: limits.h's kFwdPlainTiles (on).
 inline bool fwd_plain_enabled() {
@@ -216,6 +224,7 @@ inline Plan make_plan(const PlanInputs& in) {
     plan.fwd_block_n = c::fwd_sm90_block_n(bucket, banded && in.page_size == 0);
     plan.lean_units = plan.dynamic_units && c::fwd_sm90_lean_kernels(bucket, plan.fwd_block_n);
     plan.fwd_plain_tiles = plan.dynamic_units && c::fwd_sm90_plain_kernels(bucket) && fwd_plain_enabled();
+    plan.fwd_mixed_order = fwd_mixed_order_enabled();
   }
 
   // Backward. The Hopper kernel takes every bucket and needs a query and a key row; its dQ

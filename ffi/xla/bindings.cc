@@ -125,7 +125,8 @@ NB_MODULE(_jax_varlen, m) {
         d["pack_gqa"] = plan.pack_gqa;                  // Hopper forward: query heads packed (JAX_VARLEN_PACK_GQA)
         d["fwd_block_n"] = plan.fwd_block_n;            // Hopper forward: keys per tile (0: another path)
         d["lean_units"] = plan.lean_units;              // Hopper forward: lean units (limits.h)
-        d["fwd_plain_tiles"] = plan.fwd_plain_tiles;        // Hopper forward: the plain-tile loop
+        d["fwd_plain_tiles"] = plan.fwd_plain_tiles;    // Hopper forward: the plain-tile loop
+        d["fwd_mixed_order"] = plan.fwd_mixed_order;    // Hopper forward: the packed list's mixed order
         d["bwd_block_m"] = plan.bwd_block_m;            // Hopper backward's rows per dQ step (0: none)
         d["dq_workspace_per_pack"] = plan.dq_workspace_per_pack;
         d["fwd_workspace_per_seq"] = plan.fwd_workspace_per_seq;  // the workspaces' growth per sequence
@@ -154,6 +155,7 @@ NB_MODULE(_jax_varlen, m) {
     d["fwd_block_n"] = r.fwd_block_n;  // the Hopper forward's keys per tile (0: another path)
     d["lean_units"] = r.lean_units;  // the Hopper forward ran its lean kernel
     d["fwd_plain_tiles"] = r.fwd_plain_tiles;  // the Hopper forward ran its plain-tile loop
+    d["fwd_mixed_order"] = r.fwd_mixed_order;  // the Hopper forward ranked a packed list in the mixed order
     return d;
 #else
     return nb::none();

@@ -73,6 +73,7 @@ ffi::Error run_fwd(ffi::ErrorOr<AttentionParams> params, cudaStream_t stream,
   p.fwd_block_n = plan->fwd_block_n;
   p.lean_units = plan->lean_units;
   p.fwd_plain_tiles = plan->fwd_plain_tiles;
+  p.fwd_mixed_order = plan->fwd_mixed_order;
   if (p.num_packs * p.pack_rows_q == 0 || p.num_heads == 0) return ffi::Error::Success();  // no output
   const cudaError_t err = cuda::run_fwd(p, *plan, stream);
   if (err != cudaSuccess)

@@ -32,9 +32,8 @@ struct FwdTraits {
   static constexpr bool kLeanKernels = ::jax_varlen::cuda::fwd_sm90_lean_kernels(kHeadDim, kBlockN);
   // Whether the unpaged kernels have the loop of plain tiles (FwdMma::mma; limits.h).
   static constexpr bool kPlainKernels = ::jax_varlen::cuda::fwd_sm90_plain_kernels(kHeadDim);
-  // Batches up to this size are sorted heaviest-first (order and lengths kept in shared
-  // memory); larger ones keep their own order and read lengths from global memory.
-  static constexpr int kMaxSortedBatch = 384;
+  // Batches up to this size are sorted heaviest-first (plan/limits.h).
+  static constexpr int kMaxSortedBatch = ::jax_varlen::cuda::kFwdMaxSortedBatch;
   using Scheduler = TileScheduler<kBlockM, kBlockN, kMaxSortedBatch, kThreads>;
   // A last tile of at most kHalfN keys (the largest multiple of 16 <= kBlockN / 2) runs on
   // narrower products: 64 of 128, 80 of 176, 32 of 80.

@@ -20,6 +20,13 @@
 // each unit is computed whole by one CTA, in the same way wherever it runs, so results are
 // bitwise deterministic and batch invariant.
 //
+// Mixed order (params.h, fwd_mixed_order; a sorted packed row-block list): the sequences whose
+// units have at most kFewRows tile rows (decode rows, speculative tokens, tiny chunks: each unit
+// streams its keys for a few rows, bound by bandwidth) are ranked apart from the others (bound
+// by the tensor cores), each class heaviest first as above, and the list interleaves the two
+// classes' units in proportion to their counts (mixed_position), so that the short rows' units
+// run beside the others' from the list's start to its end instead of in a wave of their own.
+//
 // Ranking. A row-block list is ranked inside each CTA of the forward (sort_sequences: batches up
 // to kMaxSortedBatch, order and lengths in shared memory; larger ones keep their own order); a
 // key-block list by a pass before the backward's launch (seq_order.cuh: any batch, into the
@@ -110,8 +117,12 @@ struct TileScheduler {
       int32_t first_unit[kSortSlots];  // packed: the first unit of each rank
     };
     int32_t packed_units;             // packed: the units of the whole list
-    uint16_t order[kSortSlots];       // the sequence of each rank
+    int32_t long_units;               // packed, mixed order: the units of the long class (ranked first)
+    uint16_t order[kSortSlots];       // the sequence of each rank (while ranking, the mixed order's class of each b)
   };
+  // Mixed order: a sequence whose units have at most this many tile rows (one consumer
+  // warpgroup's) is of the short class.
+  static constexpr int kFewRows = kBlockM / 2;
 
   // Query heads per unit of a sequence of the sorted packed list with len_q query rows
   // (Unit::heads): the group when pack-GQA is on and the sequence is shorter than a tile and
@@ -129,13 +140,20 @@ struct TileScheduler {
   // (num_heads / heads * ceil(len_q * heads / kBlockM) each) and packed_units (packed). All
   // threads; sorted_len holds the lengths by b while ranking. The caller syncs the CTA before
   // reading them.
+  // A packed list in the mixed order (p.fwd_mixed_order) ranks the long class first, then the
+  // short one (see the top of the file), each by length as above, and long_units says where the
+  // short class starts.
   static __device__ void sort_sequences(const AttentionParams& p, SharedStorage& ss) {
     static_assert(kMaxSortedBatch > 0, "a key-block list is ranked before the launch (seq_order.cuh)");
     const int batch = int(p.batch);
     if (batch > kMaxSortedBatch) return;
     constexpr int kPer = (kMaxSortedBatch + kThreads - 1) / kThreads;
-    for (int b = threadIdx.x; b < batch; b += kThreads)
-      ss.sorted_len[b] = int(SeqlenInfo(p, b).seqlen_k);
+    const bool packed = p.cu_seqlens_q != nullptr, mixed = packed && p.fwd_mixed_order;
+    for (int b = threadIdx.x; b < batch; b += kThreads) {
+      const SeqlenInfo seq(p, b);
+      ss.sorted_len[b] = int(seq.seqlen_k);
+      if (mixed) ss.order[b] = uint16_t(short_rows(p, int(seq.seqlen_q)));  // its class, until ranked
+    }
     __syncthreads();
     int rank[kPer], len[kPer];
 #pragma unroll
@@ -143,22 +161,29 @@ struct TileScheduler {
       const int b = threadIdx.x + i * kThreads;
       rank[i] = 0;
       len[i] = b < batch ? ss.sorted_len[b] : 0;
-      if (b < batch)
+      if (b < batch && !mixed)
         for (int j = 0; j < batch; ++j) {
           const int nj = ss.sorted_len[j];
           rank[i] += heavier(nj, j, len[i], b);
         }
+      if (b < batch && mixed) {
+        const int cls = ss.order[b];
+        for (int j = 0; j < batch; ++j) {
+          const int nj = ss.sorted_len[j], cj = ss.order[j];
+          rank[i] += cj < cls || (cj == cls && heavier(nj, j, len[i], b));
+        }
+      }
     }
     __syncthreads();
-    const bool packed = p.cu_seqlens_q != nullptr;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int b = threadIdx.x + i * kThreads;
       if (b < batch) {
         ss.order[rank[i]] = uint16_t(b);
-        if (packed) {  // its units, summed below
+        if (packed) {  // its units, summed below (times 2 plus its class in the mixed order)
           const int len_q = int(SeqlenInfo(p, b).seqlen_q), heads = heads_of(p, len_q);
-          ss.first_unit[rank[i]] = int(p.num_heads) / heads * ((len_q * heads + kBlockM - 1) / kBlockM);
+          const int units = int(p.num_heads) / heads * ((len_q * heads + kBlockM - 1) / kBlockM);
+          ss.first_unit[rank[i]] = mixed ? units * 2 + short_rows(p, len_q) : units;
         } else {
           ss.sorted_len[rank[i]] = len[i];
         }
@@ -170,7 +195,10 @@ struct TileScheduler {
     static_assert(kThreads >= kMaxSortedBatch, "one rank per thread");
     const int r = threadIdx.x;
     __syncthreads();
-    const int own = r < batch ? ss.first_unit[r] : 0;
+    int own = r < batch ? ss.first_unit[r] : 0;
+    // Mixed order: this rank's class and the rank before's (read before the scan writes).
+    const bool short_rank = mixed && (own & 1), after_long = r == 0 || !(ss.first_unit[r - 1] & 1);
+    if (mixed) own >>= 1;
     int sum = own;
     for (int offset = 1; offset < batch; offset *= 2) {
       const int add = r < batch && r >= offset ? ss.first_unit[r - offset] : 0;
@@ -181,6 +209,26 @@ struct TileScheduler {
     }
     if (r < batch) ss.first_unit[r] = sum - own;
     if (r == (batch > 0 ? batch - 1 : 0)) ss.packed_units = sum;  // 0 for an empty batch
+    // long_units: the first unit of the short class's first rank, or every unit when that class
+    // is empty. One writer: the first short rank's thread, else the last rank's.
+    if (short_rank && after_long) ss.long_units = sum - own;
+    if (mixed && !short_rank && r == (batch > 0 ? batch - 1 : 0)) ss.long_units = sum;
+  }
+
+  // Mixed order: whether a sequence with len_q query rows is of the short class (its units have
+  // at most kFewRows tile rows).
+  static __device__ __forceinline__ bool short_rows(const AttentionParams& p, int len_q) {
+    return int64_t(len_q) * heads_of(p, len_q) <= kFewRows;
+  }
+
+  // Mixed order: the unit at position u of the interleaved list, as an index of the list ranked
+  // by class (long_units long units, then the short ones): position u is a long unit when the
+  // count of long units before it, floor(u * long / total), grows at u + 1 -- the two classes'
+  // units spread evenly over the list, each class's in its own order.
+  static __device__ __forceinline__ int mixed_position(const SharedStorage& ss, int u) {
+    const int64_t longs = ss.long_units, total = ss.packed_units;
+    const int before = int(u * longs / total), through = int((u + 1) * longs / total);
+    return through > before ? before : int(longs) + (u - before);
   }
 
   // How many units the list holds: the packed sorted batch's count, else `slots` = batch *
@@ -229,6 +277,7 @@ struct TileScheduler {
     if (sorted && p.cu_seqlens_q != nullptr) {
       // The last rank whose first unit is <= u: the one that owns u (a rank without units
       // shares its first unit with the next, and the last rank at or below u has units).
+      if (p.fwd_mixed_order) u = mixed_position(ss, u);
       int lo = 0, hi = int(p.batch) - 1;
       while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
