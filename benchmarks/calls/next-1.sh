@@ -6,7 +6,7 @@
 # prebuilt packages; site_mixed.tar.xz; whl/: flash-attn3-jax, xdist, execnet). Results come
 # back as $OUT/all.tgz.
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
-T0=$(date +%s)
+T0=$(date +%s); R=$(pwd)
 python3 -c "import tarfile; tarfile.open('.scratch/q2/sites.tar.xz').extractall('.scratch')" || exit 1
 mixed=0  # the mixed order's stages only where its package came
 [[ -f .scratch/q2/site_mixed.tar.xz ]] && python3 -c "import tarfile; tarfile.open('.scratch/q2/site_mixed.tar.xz').extractall('.scratch')" && mixed=1
@@ -23,6 +23,11 @@ echo "staged A/B done: $(( $(date +%s) - T0 )) s"
 ((mixed)) && OUT=$OUT/mixed VARIANTS="head=.scratch/site_new mixed=.scratch/site_mixed@JAX_VARLEN_FWD_MIXED_ORDER=1 \
 mixed_off=.scratch/site_mixed" SHAPES=mixed-serve PASSES=fwd ROUNDS=2 STEP_S=4 BUDGET_S=${MIXED_S:-180} \
   bash benchmarks/ab_sites.sh
+# The peer in the same process: FA3's packed varlen beside the mixed order (issue 33's ratio).
+((mixed)) && (cd /tmp && JAX_VARLEN_FWD_MIXED_ORDER=1 PYTHONPATH="$R/.scratch/site_mixed:$PYTHONPATH" timeout 60 \
+  python3 "$R/benchmarks/bench.py" --out "$OUT/mixed-peer" --tag mixed-peer --passes fwd --shapes mixed-serve \
+  --impls jax_varlen_packed,fa3_packed --extra-dtype none --no-plot --budget-s 50 --step-budget-s 5 \
+  >"$OUT/mixed-peer.log" 2>&1; grep -E "mixed-serve" "$OUT/mixed-peer.log" | tail -4)
 ((mixed)) && OUT=$OUT/tests_mixed PREBUILT=.scratch/site_mixed TESTS_S=60 TOTAL_S=70 PYTEST_K="mixed_order or serving_step" \
   bash benchmarks/h200.sh tests 2>&1 | tail -4
 echo "mixed done: $(( $(date +%s) - T0 )) s"
