@@ -29,6 +29,9 @@ split=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1,JAX_VARLEN_FWD_KEY_SPLIT=1" S
   --step-budget-s 5 >"$OUT/serve-peer.log" 2>&1; grep -E "mixed-serve" "$OUT/serve-peer.log" | tail -4)
 echo "serve done: $(( $(date +%s) - T0 )) s"
 left() { echo $(( 575 - ($(date +%s) - T0) )); }
+# The key-split tests live in the pending patch: applied to this copy of the tree (its sources
+# are site_r's already).
+patch -p1 -N -s < benchmarks/pending/fwd-key-split-experiment.patch >/dev/null 2>&1 || echo "patch: not applied"
 (( $(left) > 40 )) && OUT=$OUT/tests_r PREBUILT=.scratch/site_r TESTS_S=$(( $(left) - 10 )) TOTAL_S=$(left) \
   PYTEST_K="mixed_order or key_split or pack_gqa_serving" bash benchmarks/h200.sh tests 2>&1 | tail -4
 echo "call: $(( $(date +%s) - T0 )) s"
