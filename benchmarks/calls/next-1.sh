@@ -28,7 +28,7 @@ split=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1,JAX_VARLEN_FWD_KEY_SPLIT=1" S
   --shapes mixed-serve --impls jax_varlen_packed,fa3_packed --extra-dtype none --no-plot --budget-s 50 \
   --step-budget-s 5 >"$OUT/serve-peer.log" 2>&1; grep -E "mixed-serve" "$OUT/serve-peer.log" | tail -4)
 echo "serve done: $(( $(date +%s) - T0 )) s"
-left() { echo $(( 575 - ($(date +%s) - T0) )); }
+left() { echo $(( ${DEADLINE_S:-575} - ($(date +%s) - T0) )); }
 # The key-split tests live in the pending patch: applied to this copy of the tree (its sources
 # are site_r's already).
 patch -p1 -N -s < benchmarks/pending/fwd-key-split-experiment.patch >/dev/null 2>&1 || echo "patch: not applied"
