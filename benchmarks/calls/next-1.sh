@@ -24,8 +24,8 @@ split=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1,JAX_VARLEN_FWD_KEY_SPLIT=1" S
   ROUNDS=2 STEP_S=4 BUDGET_S=${SERVE_S:-180} bash benchmarks/ab_sites.sh
 # The peer in the same process: FA3's packed varlen beside both switches (issue 33's ratio).
 (cd /tmp && JAX_VARLEN_FWD_MIXED_ORDER=1 JAX_VARLEN_FWD_KEY_SPLIT=1 PYTHONPATH="$R/.scratch/site_r:$PYTHONPATH" \
-  timeout 60 python3 "$R/benchmarks/bench.py" --out "$OUT/serve-peer" --tag serve-peer --passes fwd \
-  --shapes mixed-serve --impls jax_varlen_packed,fa3_packed --extra-dtype none --no-plot --budget-s 50 \
+  timeout 50 python3 "$R/benchmarks/bench.py" --out "$OUT/serve-peer" --tag serve-peer --passes fwd \
+  --shapes mixed-serve --impls jax_varlen_packed,fa3_packed --extra-dtype none --no-plot --budget-s 38 \
   --step-budget-s 5 >"$OUT/serve-peer.log" 2>&1; grep -E "mixed-serve" "$OUT/serve-peer.log" | tail -4)
 echo "serve done: $(( $(date +%s) - T0 )) s"
 left() { echo $(( ${DEADLINE_S:-575} - ($(date +%s) - T0) )); }
