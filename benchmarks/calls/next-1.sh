@@ -4,7 +4,9 @@
 # units, both behind switches) on mixed-serve -- HEAD, the mixed order, the mixed order with
 # key-split units -- with FA3 packed beside the last in one process; the GPU tests of both
 # switches. Carry .scratch/q2 (sites.tar.xz: the prebuilt packages; site_r.tar.xz; whl/:
-# flash-attn3-jax, xdist, execnet). Results come back as $OUT/all.tgz.
+# flash-attn3-jax, xdist, execnet). Results come back as $OUT/all.tgz. A shorter call (less
+# device time left): e.g. ROUNDS_S=1 STAGED_S=150 SERVE_S=120 DEADLINE_S=430 (each process of
+# ab_sites.sh needs its 25 s or more).
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 T0=$(date +%s); R=$(pwd)
 python3 -c "import tarfile; tarfile.open('.scratch/q2/sites.tar.xz').extractall('.scratch')" || exit 1
@@ -15,13 +17,13 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # run gets a folder of its own (past 8 files it archives its OUT).
 OUT=$OUT/setup PREBUILT=.scratch/site_new TOTAL_S=60 CMD=true bash benchmarks/h200.sh cmd >/dev/null 2>&1
 export PYTHONPATH=/tmp/site
-OUT=$OUT/staged VARIANTS="head=.scratch/site_new staged=.scratch/site_staged" PASSES=fwd ROUNDS=2 STEP_S=4 \
+OUT=$OUT/staged VARIANTS="head=.scratch/site_new staged=.scratch/site_staged" PASSES=fwd ROUNDS=${ROUNDS_S:-2} STEP_S=4 \
   SHAPES=d128-skewed,d64-skewed,d128-full,docs-causal,mixed-serve BUDGET_S=${STAGED_S:-190} \
   bash benchmarks/ab_sites.sh
 echo "staged A/B done: $(( $(date +%s) - T0 )) s"
 OUT=$OUT/serve VARIANTS="head=.scratch/site_new mixed=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1 \
 split=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1,JAX_VARLEN_FWD_KEY_SPLIT=1" SHAPES=mixed-serve PASSES=fwd \
-  ROUNDS=2 STEP_S=4 BUDGET_S=${SERVE_S:-180} bash benchmarks/ab_sites.sh
+  ROUNDS=${ROUNDS_S:-2} STEP_S=4 BUDGET_S=${SERVE_S:-180} bash benchmarks/ab_sites.sh
 # The peer in the same process: FA3's packed varlen beside both switches (issue 33's ratio).
 (cd /tmp && JAX_VARLEN_FWD_MIXED_ORDER=1 JAX_VARLEN_FWD_KEY_SPLIT=1 PYTHONPATH="$R/.scratch/site_r:$PYTHONPATH" \
   timeout 50 python3 "$R/benchmarks/bench.py" --out "$OUT/serve-peer" --tag serve-peer --passes fwd \
