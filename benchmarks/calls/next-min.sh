@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Session r's last chance at the device (~300 s of wall): the mixed order and key-split units
+# (site_r) against HEAD on mixed-serve, one process each; their GPU tests; the staged-O
+# experiment against HEAD on d128-skewed. Carry .scratch/q2. Results: $OUT/all.tgz.
+cd "$(dirname "$0")/../.." || exit 1  # the repository root
+T0=$(date +%s)
+python3 -c "import tarfile; tarfile.open('.scratch/q2/sites.tar.xz').extractall('.scratch')" || exit 1
+python3 -c "import tarfile; tarfile.open('.scratch/q2/site_r.tar.xz').extractall('.scratch')" || exit 1
+mkdir -p .whl && cp .scratch/q2/whl/*.whl .whl/
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+OUT=$OUT/setup PREBUILT=.scratch/site_new TOTAL_S=60 CMD=true bash benchmarks/h200.sh cmd >/dev/null 2>&1
+export PYTHONPATH=/tmp/site
+OUT=$OUT/serve VARIANTS="head=.scratch/site_new mixed=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1 \
+split=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1,JAX_VARLEN_FWD_KEY_SPLIT=1" SHAPES=mixed-serve PASSES=fwd \
+  ROUNDS=1 STEP_S=4 BUDGET_S=110 bash benchmarks/ab_sites.sh
+echo "serve done: $(( $(date +%s) - T0 )) s"
+patch -p1 -N -s < benchmarks/pending/fwd-key-split-experiment.patch >/dev/null 2>&1 || echo "patch: not applied"
+OUT=$OUT/tests_r PREBUILT=.scratch/site_r TESTS_S=75 TOTAL_S=85 PYTEST_K="mixed_order or key_split" \
+  bash benchmarks/h200.sh tests 2>&1 | tail -4
+export PYTHONPATH=/tmp/site
+echo "tests done: $(( $(date +%s) - T0 )) s"
+OUT=$OUT/staged VARIANTS="head=.scratch/site_new staged=.scratch/site_staged" PASSES=fwd ROUNDS=1 STEP_S=4 \
+  SHAPES=d128-skewed BUDGET_S=$(( 300 - ($(date +%s) - T0) )) bash benchmarks/ab_sites.sh
+echo "call: $(( $(date +%s) - T0 )) s"
+cd "$OUT" && tar -czf /tmp/all.tgz . && rm -rf ./* && mv /tmp/all.tgz "$OUT/"
