@@ -9,14 +9,7 @@
 # ab_sites.sh needs its 25 s or more).
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 T0=$(date +%s); R=$(pwd)
-python3 -c "import tarfile; tarfile.open('.scratch/q2/sites.tar.xz').extractall('.scratch')" || exit 1
-python3 -c "import tarfile; tarfile.open('.scratch/q2/site_r.tar.xz').extractall('.scratch')" || exit 1
-mkdir -p .whl && cp .scratch/q2/whl/*.whl .whl/
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-# h200.sh's setup only (the wheels into /tmp/site), through a stage that does nothing; each h200.sh
-# run gets a folder of its own (past 8 files it archives its OUT).
-OUT=$OUT/setup PREBUILT=.scratch/site_new TOTAL_S=60 CMD=true bash benchmarks/h200.sh cmd >/dev/null 2>&1
-export PYTHONPATH=/tmp/site
+source benchmarks/calls/setup.sh
 OUT=$OUT/staged VARIANTS="head=.scratch/site_new staged=.scratch/site_staged" PASSES=fwd ROUNDS=${ROUNDS_S:-2} STEP_S=4 \
   SHAPES=d128-skewed,d64-skewed,d128-full,docs-causal,mixed-serve BUDGET_S=${STAGED_S:-190} \
   bash benchmarks/ab_sites.sh

@@ -7,11 +7,7 @@
 # Results come back as $OUT/all.tgz.
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 T0=$(date +%s)
-[[ -d .scratch/site_r ]] || python3 -c "import tarfile; tarfile.open('.scratch/q2/site_r.tar.xz').extractall('.scratch')"
-[[ -d .scratch/site_new ]] || python3 -c "import tarfile; tarfile.open('.scratch/q2/sites.tar.xz').extractall('.scratch')"
-mkdir -p .whl && cp .scratch/q2/whl/*.whl .whl/
-OUT=$OUT/setup PREBUILT=.scratch/site_new TOTAL_S=60 CMD=true bash benchmarks/h200.sh cmd >/dev/null 2>&1
-export PYTHONPATH=/tmp/site
+source benchmarks/calls/setup.sh
 if [[ ${STAGED_TESTS:-0} == 1 ]]; then
   OUT=$OUT/tests PREBUILT=.scratch/site_staged PYTEST_ARGS="-n 8" TESTS_S=150 TOTAL_S=160 \
     bash benchmarks/h200.sh tests 2>&1 | tail -4

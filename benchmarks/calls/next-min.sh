@@ -4,12 +4,7 @@
 # experiment against HEAD on d128-skewed. Carry .scratch/q2. Results: $OUT/all.tgz.
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 T0=$(date +%s)
-python3 -c "import tarfile; tarfile.open('.scratch/q2/sites.tar.xz').extractall('.scratch')" || exit 1
-python3 -c "import tarfile; tarfile.open('.scratch/q2/site_r.tar.xz').extractall('.scratch')" || exit 1
-mkdir -p .whl && cp .scratch/q2/whl/*.whl .whl/
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-OUT=$OUT/setup PREBUILT=.scratch/site_new TOTAL_S=60 CMD=true bash benchmarks/h200.sh cmd >/dev/null 2>&1
-export PYTHONPATH=/tmp/site
+source benchmarks/calls/setup.sh
 OUT=$OUT/serve VARIANTS="head=.scratch/site_new mixed=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1 \
 split=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1,JAX_VARLEN_FWD_KEY_SPLIT=1" SHAPES=mixed-serve PASSES=fwd \
   ROUNDS=1 STEP_S=4 BUDGET_S=110 bash benchmarks/ab_sites.sh

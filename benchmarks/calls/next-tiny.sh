@@ -4,11 +4,7 @@
 # .scratch/q2. Results: $OUT/all.tgz.
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 T0=$(date +%s)
-python3 -c "import tarfile; tarfile.open('.scratch/q2/sites.tar.xz').extractall('.scratch', \
-  members=[m for m in tarfile.open('.scratch/q2/sites.tar.xz') if m.name.startswith('site_new')])" || exit 1
-python3 -c "import tarfile; tarfile.open('.scratch/q2/site_r.tar.xz').extractall('.scratch')" || exit 1
-mkdir -p .whl && cp .scratch/q2/whl/*.whl .whl/
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source benchmarks/calls/setup.sh
 patch -p1 -N -s < benchmarks/pending/fwd-key-split-experiment.patch >/dev/null 2>&1 || echo "patch: not applied"
 OUT=$OUT/tests_r PREBUILT=.scratch/site_r TESTS_S=70 TOTAL_S=100 PYTEST_K="mixed_order or key_split" \
   bash benchmarks/h200.sh tests 2>&1 | tail -4
