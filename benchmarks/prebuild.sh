@@ -6,7 +6,8 @@
 #   bash benchmarks/prebuild.sh SOURCE_TREE OUT_SITE [BUILD_DIR]
 # Env: PY_DEVICE, a Python of the device's minor version (default: pyenv's 3.12); PY_HOST, the
 # Python whose packages give nanobind, CUTLASS (nvidia-cutlass) and the XLA FFI headers (jaxlib)
-# (default: python3 on PATH). Neither needs network. ~5 min of 2 cores per tree.
+# (default: python3 on PATH). Neither needs network; CMAKE_DEFINES: more -D flags for the
+# configure (e.g. "-DJAX_VARLEN_FWD_TRACE=ON", a profiling build). ~5 min of 2 cores per tree.
 set -euo pipefail
 src=$(cd "$1" && pwd); out=$2; build=${3:-/tmp/prebuild-$(basename "$out")}
 PY_DEVICE=${PY_DEVICE:-$(ls -d /root/.pyenv/versions/3.12*/bin/python3.12 | head -1)}
@@ -20,7 +21,7 @@ print(os.path.dirname(nanobind.__file__), os.path.dirname(cutlass_library.__file
 ln -s "$nb" "$shim/nanobind"; ln -s "$cl" "$shim/cutlass_library"; mkdir "$shim/jax"
 printf 'class ffi:\n    @staticmethod\n    def include_dir():\n        return %s\n' "'$inc'" >"$shim/jax/__init__.py"
 PYTHONPATH=$shim cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DPython_EXECUTABLE="$PY_DEVICE" -DJAX_VARLEN_CUDA=ON -DJAX_VARLEN_CUDA_ARCHS=90a-real >"$build.log" 2>&1 \
+  -DPython_EXECUTABLE="$PY_DEVICE" -DJAX_VARLEN_CUDA=ON -DJAX_VARLEN_CUDA_ARCHS=90a-real ${CMAKE_DEFINES:-} >"$build.log" 2>&1 \
   || { tail -20 "$build.log"; exit 1; }
 # Without CUTLASS the build leaves the Hopper path out, silently: useless on the device.
 grep -q "Hopper (sm_90a) path" "$build.log" || { echo "prebuild: no Hopper path (nvidia-cutlass?)"; tail -5 "$build.log"; exit 1; }

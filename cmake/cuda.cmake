@@ -147,6 +147,17 @@ if(JAX_VARLEN_CUDA_ARCHS MATCHES "90a")
   endif()
 endif()
 
+# A profiling build: the Hopper forward records when each step of each unit ran
+# (ffi/cuda/sm90/fwd_trace.h, benchmarks/unit_trace.py). Off: the kernels are the same as without it.
+option(JAX_VARLEN_FWD_TRACE "Build the Hopper forward's unit trace (profiling only)" OFF)
+if(JAX_VARLEN_FWD_TRACE)
+  if(NOT sm90_library)
+    message(FATAL_ERROR "JAX_VARLEN_FWD_TRACE needs the Hopper path (90a in JAX_VARLEN_CUDA_ARCHS, nvidia-cutlass)")
+  endif()
+  target_compile_definitions(jax_varlen_sm90 PRIVATE JAX_VARLEN_FWD_TRACE)
+  target_compile_definitions(_jax_varlen PRIVATE JAX_VARLEN_FWD_TRACE)
+endif()
+
 target_sources(_jax_varlen PRIVATE ffi/xla/cuda.cu ffi/cuda/dispatch.cu)
 target_compile_definitions(_jax_varlen PRIVATE JAX_VARLEN_WITH_CUDA)
 target_compile_options(_jax_varlen PRIVATE

@@ -36,6 +36,9 @@
 #include "cuda/portable/bwd_preprocess.cuh"
 #include "cuda/portable/packed_fill.cuh"
 #include "cuda/launch.h"
+#ifdef JAX_VARLEN_FWD_TRACE
+#include "cuda/sm90/fwd_trace.h"
+#endif
 
 namespace jax_varlen::cuda {
 namespace {
@@ -140,6 +143,32 @@ LaunchRecord last_launch() {
   r.fwd_mixed_order = last_fwd_mixed_order.load(std::memory_order_relaxed);
   return r;
 }
+
+#ifdef JAX_VARLEN_FWD_TRACE
+// The Hopper forward's unit trace (sm90/fwd_trace.h; a profiling build): one buffer for the
+// process and its current device, allocated by the first fwd_trace_read -- from Python before
+// the traced calls, never inside a handler (XLA may be capturing a CUDA graph there); a launch
+// before it traces nothing.
+namespace sm90 {
+namespace {
+constexpr size_t kTraceBytes = sizeof(int64_t) * kTraceCtas * (1 + kTraceRounds) * kTraceFields;
+std::atomic<int64_t*> trace_buffer{nullptr};
+}  // namespace
+int64_t* fwd_trace_device_buffer() { return trace_buffer.load(std::memory_order_acquire); }
+void fwd_trace_read(int64_t* host) {
+  int64_t* b = trace_buffer.load(std::memory_order_acquire);
+  if (b == nullptr) {
+    if (cudaMalloc(&b, kTraceBytes) != cudaSuccess) return;
+    cudaMemset(b, 0xff, kTraceBytes);
+    trace_buffer.store(b, std::memory_order_release);
+  }
+  cudaDeviceSynchronize();
+  cudaMemcpy(host, b, kTraceBytes, cudaMemcpyDeviceToHost);
+  cudaMemset(b, 0xff, kTraceBytes);
+  cudaDeviceSynchronize();
+}
+}  // namespace sm90
+#endif
 
 int device_major() {
   constexpr int kCachedDevices = 64;

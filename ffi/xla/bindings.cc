@@ -12,6 +12,11 @@
 #ifdef JAX_VARLEN_WITH_CUDA
 #include "cuda/launch_record.h"
 #endif
+#ifdef JAX_VARLEN_FWD_TRACE
+#include <vector>
+
+#include "cuda/sm90/fwd_trace.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -161,6 +166,19 @@ NB_MODULE(_jax_varlen, m) {
     return nb::none();
 #endif
   });
+#ifdef JAX_VARLEN_FWD_TRACE
+  // fwd_trace() -> bytes: the Hopper forward's unit trace since the last call (int64, [CTAs,
+  // 1 + rounds, fields]; cuda/sm90/fwd_trace.h), then cleared. A profiling build only
+  // (-DJAX_VARLEN_FWD_TRACE=ON): call it once before the traced calls (it allocates the buffer).
+  m.def("fwd_trace", []() {
+    namespace sm90 = jax_varlen::cuda::sm90;
+    std::vector<int64_t> host(size_t(sm90::kTraceCtas) * (1 + sm90::kTraceRounds) * sm90::kTraceFields, -1);
+    sm90::fwd_trace_read(host.data());
+    return nb::bytes(reinterpret_cast<const char*>(host.data()), host.size() * sizeof(int64_t));
+  });
+  m.attr("fwd_trace_shape") = nb::make_tuple(jax_varlen::cuda::sm90::kTraceCtas, 1 + jax_varlen::cuda::sm90::kTraceRounds,
+                                             jax_varlen::cuda::sm90::kTraceFields);
+#endif
   m.attr("with_cuda") =
 #ifdef JAX_VARLEN_WITH_CUDA
       true;

@@ -80,6 +80,7 @@ struct FwdLoad {
   bool leader;  // lane 0 of warp 0
   int warp;     // 0..kProducerWarps - 1 (only warp 0 unless paged)
   PagedCommit paged_commit;
+  JV_FWD_TRACE(int64_t* trace = nullptr;)  // fwd_trace.h: this unit's row (thread 0)
   GmemTensor<typename Tr::TmaQ> mQ;   // (rows of a pack, dim, heads, packs)
   GmemTensor<typename Tr::TmaK> mK;
   GmemTensor<typename Tr::TmaV> mVt;  // (dim, rows of a pack, heads, packs)
@@ -207,6 +208,7 @@ struct FwdLoad {
         copy(kp.tma_q.with(ss.full_q), tma_q.partition_S(gQ), tQsQ);
       }
     }
+    JV_FWD_TRACE(trace_mark(trace, kTraceQIssued);)
     ++q_iter;
     // K[t] then V[t + 1] (the consumers use V one step behind K), from the last tile down to
     // t_begin; a packed Q is completed after the first K copy is on its way.

@@ -69,6 +69,7 @@ struct FwdMma {
   decltype(std::declval<const ThrPV&>().partition_fragment_B(std::declval<SVt&>())) tOrV;  // (MMA, MMA_N, MMA_K, stages)
   // (row, column) of this thread's S elements, the same as O's row-wise.
   decltype(std::declval<const ThrQK&>().partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}))) cS;
+  JV_FWD_TRACE(int64_t* trace = nullptr; int trace_wg = 0;)  // fwd_trace.h: this unit's row, this warpgroup's marks
 
   // The operands' shared-memory descriptors depend on the warpgroup alone: they are built from
   // its first thread, a warp-uniform value (the shuffle says so to the compiler), so they stay
@@ -165,6 +166,7 @@ struct FwdMma {
     float alpha[2];
 
     Barrier::wait(&ss.full_q, q_iter & 1);
+    JV_FWD_TRACE(trace_mark(trace, kTraceQ + trace_wg);)
     ++q_iter;
     // The last tile t = n_tiles - 1 first (masked). When it is partial its V rows past key_end
     // are zeroed before its P V. When it holds at most kHalfN keys it runs whole on
@@ -264,6 +266,7 @@ struct FwdMma {
       for (; t > w.t_begin; --t) overlapped(t, cute::false_type{});
     }
     release(&ss.empty_q);  // the last Q K^T of this unit is done: the producer may load the next Q
+    JV_FWD_TRACE(trace_mark(trace, kTraceLoop + trace_wg);)
     if (t == w.t_begin) {  // P V of the first tile
       Barrier::wait(&ss.full_v[pipe.stage], pipe.phase);
       if (w.n_tiles - w.t_begin == 1 && !half && last_rows < kBlockN) zero_v_tail(pipe.stage, last_rows, kBlockN);

@@ -117,6 +117,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   Sched::sort_sequences(p, ss.sched);
   __syncthreads();
   const int num_units = Sched::num_units(p, kp.num_units, ss.sched);  // work-proportional
+  JV_FWD_TRACE(if (threadIdx.x == 0) trace_header(kp.trace, num_units);)
   using Units = UnitSource<Tr, kDynamic>;
 
   const FwdRole role = fwd_role<kPaged>();
@@ -133,15 +134,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     int q_iter = 0;
     if constexpr (kLean) {
       Unit w;
-      for (int r = 0; UnitHandover<Tr>::producer_next(kp, ss, num_units, r, w); ++r)
+      for (int r = 0; UnitHandover<Tr>::producer_next(kp, ss, num_units, r, w); ++r) {
+        JV_FWD_TRACE(int64_t* const row = threadIdx.x == 0 ? trace_row(kp.trace, r) : nullptr;
+                     trace_mark(row, kTraceClaim); load.trace = row;)
         if (w.n_tiles > 0) load.load(w, pipe, q_iter);  // else the consumers write zeros
+        JV_FWD_TRACE(trace_mark(row, kTraceLoaded);)
+      }
     } else {
       for (int r = 0;; ++r) {
         const int u = Units::producer_next(kp, ss, num_units, r);
         if (u < 0) break;
         const Unit w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
+        JV_FWD_TRACE(int64_t* const row = threadIdx.x == 0 ? trace_row(kp.trace, r) : nullptr;
+                     trace_mark(row, kTraceClaim); load.trace = row;)
         if (w.n_tiles == 0) continue;  // no row may see a key: the consumers write zeros
         load.load(w, pipe, q_iter);
+        JV_FWD_TRACE(trace_mark(row, kTraceLoaded);)
       }
     }
     return;
@@ -156,19 +164,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   int q_iter = 0;
   for (int r = 0;; ++r) {
     Unit w;
+    // A warpgroup's first thread marks its steps of the unit (fwd_trace.h; a profiling build).
+    JV_FWD_TRACE(int64_t* const row = ct % kWarpgroupThreads == 0 ? trace_row(kp.trace, r) : nullptr;
+                 const int wg_mark = kTraceWarpgroupStride * (ct / kWarpgroupThreads); mainloop.trace = row;
+                 mainloop.trace_wg = wg_mark;)
     if constexpr (kLean) {
       if (!UnitHandover<Tr>::consumer_next(ss, r, w)) break;
+      JV_FWD_TRACE(trace_mark(row, kTraceGot + wg_mark);)
       if (w.n_tiles > 0 && mainloop.idle(w)) {  // rows all past the unit's: the barriers' part only
         mainloop.follow(w, pipe, q_iter);
+        JV_FWD_TRACE(trace_mark(row, kTraceStored + wg_mark);)
         continue;
       }
     } else {
       const int u = Units::consumer_next(kp, ss, num_units, r);
       if (u < 0) break;
       w = Sched::decode_unit(p, kp.num_m_blocks, ss.sched, u);
+      JV_FWD_TRACE(trace_mark(row, kTraceGot + wg_mark);)
     }
+    JV_FWD_TRACE(if (ct == 0) {
+      trace_set(row, kTraceSeq, w.b);
+      trace_set(row, kTraceTiles, w.n_tiles - w.t_begin);
+      trace_set(row, kTraceRows, w.rows);
+    })
     if (w.n_tiles == 0) {
       epilogue.store_zeros(w, epilogue.unit_out(w));
+      JV_FWD_TRACE(trace_mark(row, kTraceStored + wg_mark);)
       continue;
     }
     const FwdRows rows = mainloop.thread_rows(p, w);
@@ -178,8 +199,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
     Tensor tOrP = make_tensor_like<Element>(make_tensor(tSrS.data(), acc_to_a_layout(tSrS.layout())));
     mainloop.template mma<kDynamic && Tr::kPlainKernels>(w, rows, pipe, q_iter, softmax, tSrS, tOrO, tOrP,
                                                          p.fwd_plain_tiles);
+    JV_FWD_TRACE(trace_mark(row, kTraceMma + wg_mark);)
     epilogue.store(w, rows, epilogue.unit_out(w), softmax, tOrO);  // addresses after the mainloop: fewer live registers there
+    JV_FWD_TRACE(trace_mark(row, kTraceStored + wg_mark);)
   }
+  JV_FWD_TRACE(if (ct == 0) trace_footer(kp.trace);)
 }
 
 // One launch of the kernels of traits Tr; kWithPaged: Tr's paged kernel is compiled (the
@@ -203,7 +227,7 @@ cudaError_t launch_fwd_sm90(const AttentionParams& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Tr::SmemLayoutQ{}, Shape<Int<Tr::kBlockM>, Int<kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Tr::SmemLayoutK{}), Shape<Int<Tr::kBlockN>, Int<kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Tr::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<Tr::kBlockN>>{}, _1{}),
-      p, 0, 0};
+      p, 0, 0 JV_FWD_TRACE(, fwd_trace_device_buffer())};  // a trace build: nullptr traces nothing
   kp.num_m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   const int64_t units = p.batch * p.num_heads * kp.num_m_blocks;
   if (units > INT32_MAX) return cudaErrorInvalidValue;

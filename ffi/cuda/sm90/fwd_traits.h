@@ -4,6 +4,7 @@
 #pragma once
 
 #include "cuda/sm90/common.h"
+#include "cuda/sm90/fwd_trace.h"
 #include "cuda/sm90/tile_scheduler.h"
 
 namespace jax_varlen::cuda::sm90 {
@@ -106,6 +107,7 @@ struct FwdKernelParams {
   AttentionParams p;
   int num_m_blocks;  // ceil(seqlen_q / kBlockM)
   int num_units;     // batch * num_heads * num_m_blocks: the list's slots (tile_scheduler.h)
+  JV_FWD_TRACE(int64_t* trace;)  // fwd_trace.h: a profiling build's unit trace
 };
 
 // Thread roles: warpgroup 0 is the producer's -- its warp 0 loads (fwd_load.h; all four warps
