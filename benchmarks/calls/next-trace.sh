@@ -6,7 +6,7 @@
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 T0=$(date +%s); R=$(pwd)
 source benchmarks/calls/setup.sh
-[[ -d .scratch/site_trace ]] || python3 -c "import tarfile; tarfile.open('.scratch/q2/site_trace.tar.xz').extractall('.scratch')"
+unpack .scratch/q2/site_trace.tar.xz site_trace || exit 1
 mkdir -p "$OUT/trace"
 run() { (cd "$R/benchmarks" && PYTHONPATH="$R/.scratch/site_trace:$PYTHONPATH" XLA_PYTHON_CLIENT_PREALLOCATE=false \
   timeout 120 python3 unit_trace.py "$@" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tail -12); }

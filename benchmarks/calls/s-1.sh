@@ -8,9 +8,8 @@
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 T0=$(date +%s); R=$(pwd)
 source benchmarks/calls/setup.sh
-for s in site_trace site_qpf; do
-  [[ -d .scratch/$s ]] || python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall('.scratch')" .scratch/q2/$s.tar.xz
-done
+unpack .scratch/q2/site_trace.tar.xz site_trace || exit 1
+unpack .scratch/q2/site_qpf.tar.xz site_qpf || exit 1
 left() { echo $(( ${DEADLINE_S:-560} - ($(date +%s) - T0) )); }
 OUT=$OUT/t timeout 110 bash benchmarks/calls/next-trace.sh
 echo "trace done: $(( $(date +%s) - T0 )) s"
@@ -18,9 +17,7 @@ OUT=$OUT/ab VARIANTS="head=.scratch/site_new staged=.scratch/site_staged qpf=.sc
   STEP_S=4 SHAPES=d128-skewed,d64-skewed,d128-full,docs-causal,mixed-serve BUDGET_S=${AB_S:-150} \
   bash benchmarks/ab_sites.sh
 echo "ab done: $(( $(date +%s) - T0 )) s"
-OUT=$OUT/serve VARIANTS="head=.scratch/site_new mixed=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1 \
-split=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1,JAX_VARLEN_FWD_KEY_SPLIT=1" SHAPES=mixed-serve PASSES=fwd \
-  ROUNDS=1 STEP_S=4 BUDGET_S=${SERVE_S:-100} bash benchmarks/ab_sites.sh
+serve_ab ${SERVE_S:-100}
 (cd /tmp && JAX_VARLEN_FWD_MIXED_ORDER=1 JAX_VARLEN_FWD_KEY_SPLIT=1 PYTHONPATH="$R/.scratch/site_r:$PYTHONPATH" \
   timeout 50 python3 "$R/benchmarks/bench.py" --out "$OUT/serve-peer" --tag serve-peer --passes fwd \
   --shapes mixed-serve --impls jax_varlen_packed,fa3_packed --extra-dtype none --no-plot --budget-s 38 \

@@ -5,14 +5,12 @@
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 T0=$(date +%s)
 source benchmarks/calls/setup.sh
-[[ -d .scratch/site_trace ]] || python3 -c "import tarfile; tarfile.open('.scratch/q2/site_trace.tar.xz').extractall('.scratch')"
+unpack .scratch/q2/site_trace.tar.xz site_trace || exit 1
 mkdir -p "$OUT/trace"
 (cd benchmarks && PYTHONPATH="$PWD/../.scratch/site_trace:$PYTHONPATH" XLA_PYTHON_CLIENT_PREALLOCATE=false \
   timeout "${TRACE_S:-90}" python3 unit_trace.py d128-skewed d128-full d64-skewed --out "$OUT/trace/padded.json" 2>&1 \
   | grep -v "^WARNING\|^I0000\|^W0000" | tail -8 | tee "$OUT/trace/padded.md")
 echo "trace done: $(( $(date +%s) - T0 )) s"
-OUT=$OUT/serve VARIANTS="head=.scratch/site_new mixed=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1 \
-split=.scratch/site_r@JAX_VARLEN_FWD_MIXED_ORDER=1,JAX_VARLEN_FWD_KEY_SPLIT=1" SHAPES=mixed-serve PASSES=fwd \
-  ROUNDS=1 STEP_S=4 BUDGET_S=${SERVE_S:-90} bash benchmarks/ab_sites.sh
+serve_ab ${SERVE_S:-90}
 echo "call: $(( $(date +%s) - T0 )) s"
 cd "$OUT" && tar -czf /tmp/all.tgz . && rm -rf ./* && mv /tmp/all.tgz "$OUT/"
