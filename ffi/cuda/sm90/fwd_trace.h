@@ -6,12 +6,12 @@
 // and the kernels are the same.
 //
 // Layout: kTraceCtas CTAs x (1 + kTraceRounds) rows x kTraceFields int64. A CTA's row 0 is its
-// header (globaltimer ns and clock64 at its start, its SM, the grid, the list's units, then
-// globaltimer and clock64 at its first consumer thread's end); row
-// 1 + r is its r-th unit: the unit's sequence, tiles and rows, then the SM clock (clock64: cycles of one
-// SM, so compare marks within a CTA only) at each FwdMark. -1 where nothing was written
-// (a round past the CTA's last unit, a mark its path does not reach: an idle warpgroup of a lean
-// unit marks only kTraceGot and kTraceStored).
+// header: globaltimer ns and clock64 at its start, its SM, the grid, the list's units, then
+// globaltimer ns and clock64 at its first consumer thread's end. Row 1 + r is its r-th unit: the
+// unit's sequence, tiles and rows, then the SM clock at each FwdMark (clock64 counts one SM's
+// cycles: compare marks within a CTA only). -1 where nothing was written: a round past the CTA's
+// last unit, a mark its path does not reach (an idle warpgroup of a lean unit marks only
+// kTraceGot and kTraceStored).
 #pragma once
 
 #include <cstdint>
@@ -20,7 +20,8 @@ namespace jax_varlen::cuda::sm90 {
 
 inline constexpr int kTraceCtas = 256, kTraceRounds = 255, kTraceFields = 16;
 
-// The fields of a unit's row. The consumer marks are per warpgroup: kGot + 5 * warpgroup + k.
+// The fields of a unit's row. The consumer marks are per warpgroup: field kTraceGot + k of
+// warpgroup 0 is field kTraceGot + kTraceWarpgroupStride + k of warpgroup 1.
 enum FwdMark : int {
   kTraceSeq = 0,      // the unit's sequence (Unit::b)
   kTraceTiles = 1,    // its key tiles (n_tiles - t_begin; 0: no row sees a key)
@@ -57,28 +58,32 @@ __device__ __forceinline__ void trace_set(int64_t* row, int field, int64_t value
   if (row != nullptr) *reinterpret_cast<volatile int64_t*>(row + field) = value;
 }
 __device__ __forceinline__ void trace_mark(int64_t* row, int field) { trace_set(row, field, clock64()); }
-// This CTA's header row: its start in globaltimer ns and in clock64, its SM, the grid, the units.
-__device__ __forceinline__ void trace_header(int64_t* buffer, int num_units) {
-  if (buffer == nullptr || blockIdx.x >= kTraceCtas) return;
-  int64_t* row = buffer + int64_t(blockIdx.x) * (1 + kTraceRounds) * kTraceFields;
+// This CTA's header row (row 0), or nullptr.
+__device__ __forceinline__ int64_t* trace_header_row(int64_t* buffer) {
+  if (buffer == nullptr || blockIdx.x >= kTraceCtas) return nullptr;
+  return buffer + int64_t(blockIdx.x) * (1 + kTraceRounds) * kTraceFields;
+}
+__device__ __forceinline__ int64_t globaltimer_ns() {
   uint64_t ns;
-  uint32_t sm;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return int64_t(ns);
+}
+// Its start (thread 0, before the roles part): fields 0-4.
+__device__ __forceinline__ void trace_header(int64_t* buffer, int num_units) {
+  int64_t* row = trace_header_row(buffer);
+  uint32_t sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  trace_set(row, 0, int64_t(ns));
+  trace_set(row, 0, globaltimer_ns());
   trace_mark(row, 1);
   trace_set(row, 2, sm);
   trace_set(row, 3, gridDim.x);
   trace_set(row, 4, num_units);
 }
-// Its end (the first consumer thread, after its last unit): globaltimer ns and clock64 into
-// header fields 5 and 6 (their ratio to the start's gives the SM clock).
+// Its end (the first consumer thread, after its last unit): fields 5 and 6 (their ratio to the
+// start's gives the SM clock).
 __device__ __forceinline__ void trace_footer(int64_t* buffer) {
-  if (buffer == nullptr || blockIdx.x >= kTraceCtas) return;
-  int64_t* row = buffer + int64_t(blockIdx.x) * (1 + kTraceRounds) * kTraceFields;
-  uint64_t ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-  trace_set(row, 5, int64_t(ns));
+  int64_t* row = trace_header_row(buffer);
+  trace_set(row, 5, globaltimer_ns());
   trace_mark(row, 6);
 }
 #endif
