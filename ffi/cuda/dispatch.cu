@@ -151,21 +151,19 @@ LaunchRecord last_launch() {
 // before it traces nothing.
 namespace sm90 {
 namespace {
-constexpr size_t kTraceBytes = sizeof(int64_t) * kTraceCtas * (1 + kTraceRounds) * kTraceFields;
+constexpr size_t kTraceBytes = sizeof(int64_t) * kTraceValues;
 std::atomic<int64_t*> trace_buffer{nullptr};
 }  // namespace
 int64_t* fwd_trace_device_buffer() { return trace_buffer.load(std::memory_order_acquire); }
-void fwd_trace_read(int64_t* host) {
+bool fwd_trace_read(int64_t* host) {
   int64_t* b = trace_buffer.load(std::memory_order_acquire);
   if (b == nullptr) {
-    if (cudaMalloc(&b, kTraceBytes) != cudaSuccess) return;
-    cudaMemset(b, 0xff, kTraceBytes);
+    if (cudaMalloc(&b, kTraceBytes) != cudaSuccess || cudaMemset(b, 0xff, kTraceBytes) != cudaSuccess) return false;
     trace_buffer.store(b, std::memory_order_release);
   }
-  cudaDeviceSynchronize();
-  cudaMemcpy(host, b, kTraceBytes, cudaMemcpyDeviceToHost);
-  cudaMemset(b, 0xff, kTraceBytes);
-  cudaDeviceSynchronize();
+  return cudaDeviceSynchronize() == cudaSuccess &&
+         cudaMemcpy(host, b, kTraceBytes, cudaMemcpyDeviceToHost) == cudaSuccess &&
+         cudaMemset(b, 0xff, kTraceBytes) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess;
 }
 }  // namespace sm90
 #endif

@@ -171,9 +171,9 @@ NB_MODULE(_jax_varlen, m) {
   // 1 + rounds, fields]; cuda/sm90/fwd_trace.h), then cleared. A profiling build only
   // (-DJAX_VARLEN_FWD_TRACE=ON): call it once before the traced calls (it allocates the buffer).
   m.def("fwd_trace", []() {
-    namespace sm90 = jax_varlen::cuda::sm90;
-    std::vector<int64_t> host(size_t(sm90::kTraceCtas) * (1 + sm90::kTraceRounds) * sm90::kTraceFields, -1);
-    sm90::fwd_trace_read(host.data());
+    std::vector<int64_t> host(jax_varlen::cuda::sm90::kTraceValues, -1);
+    if (!jax_varlen::cuda::sm90::fwd_trace_read(host.data()))
+      throw std::runtime_error("fwd_trace: a CUDA call failed (allocating, copying or clearing the trace buffer)");
     return nb::bytes(reinterpret_cast<const char*>(host.data()), host.size() * sizeof(int64_t));
   });
   m.attr("fwd_trace_shape") = nb::make_tuple(jax_varlen::cuda::sm90::kTraceCtas, 1 + jax_varlen::cuda::sm90::kTraceRounds,

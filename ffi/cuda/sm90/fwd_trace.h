@@ -19,6 +19,7 @@
 namespace jax_varlen::cuda::sm90 {
 
 inline constexpr int kTraceCtas = 256, kTraceRounds = 255, kTraceFields = 16;
+inline constexpr int64_t kTraceValues = int64_t(kTraceCtas) * (1 + kTraceRounds) * kTraceFields;
 
 // The fields of a unit's row. The consumer marks are per warpgroup: field kTraceGot + k of
 // warpgroup 0 is field kTraceGot + kTraceWarpgroupStride + k of warpgroup 1.
@@ -40,10 +41,10 @@ inline constexpr int kTraceWarpgroupStride = 5;
 #ifdef JAX_VARLEN_FWD_TRACE
 #define JV_FWD_TRACE(...) __VA_ARGS__
 // The device buffer (nullptr until the first fwd_trace_read; dispatch.cu) and its copy into
-// host (kTraceCtas * (1 + kTraceRounds) * kTraceFields values; allocates the buffer on the first
-// call, then refills it with -1). Host code, one device.
+// host (kTraceValues values; allocates the buffer on the first call, then refills it with -1).
+// Host code, one device; fwd_trace_read returns false when a CUDA call failed.
 int64_t* fwd_trace_device_buffer();
-void fwd_trace_read(int64_t* host);
+bool fwd_trace_read(int64_t* host);
 #else
 #define JV_FWD_TRACE(...)
 #endif
