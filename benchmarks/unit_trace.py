@@ -4,7 +4,7 @@ Needs a profiling build (`-DJAX_VARLEN_FWD_TRACE=ON`; `CMAKE_DEFINES=-DJAX_VARLE
 bash benchmarks/prebuild.sh . SITE`): the forward then records, per CTA of its persistent grid
 and per unit it took, the SM clock at each step of the unit (ffi/cuda/sm90/fwd_trace.h). Usage:
 
-    python3 unit_trace.py [--packed] [--out FILE.json] [shape names]   (default: d128-skewed)
+    python3 unit_trace.py [--packed] [--out FILE.json] [--raw DIR] [shape names]   (default: d128-skewed)
 
 For each named shape of shapes.json: one traced call of our forward (ncu_case.call: the padded
 call, or the packed one on the valid tokens with --packed) after two warm ones, then per unit and
@@ -108,6 +108,8 @@ def main():
     ap.add_argument("names", nargs="*", default=["d128-skewed"])
     ap.add_argument("--packed", action="store_true", help="the packed call on the shape's valid tokens")
     ap.add_argument("--out", help="write the statistics here (JSON)")
+    ap.add_argument("--raw", help="and each call's whole trace here (DIR/SHAPE[-packed].npz: trace [CTAs, 1 + rounds,"
+                    " fields] int64), for a look at single units after the call")
     a = ap.parse_args()
     jax_varlen, error = bench.import_jax_varlen()
     if jax_varlen is None:
@@ -120,7 +122,11 @@ def main():
     results = {}
     for name in a.names:
         fn, args = ncu_case.call(jax_varlen, shapes[name], a.packed)
-        results[name] = analyse(traced(ext, fn, args))
+        trace = traced(ext, fn, args)
+        results[name] = analyse(trace)
+        if a.raw:
+            os.makedirs(a.raw, exist_ok=True)
+            np.savez_compressed(os.path.join(a.raw, name + ("-packed" if a.packed else "") + ".npz"), trace=trace)
     cols = ("units", "tiles_per_unit", "fit_us_per_tile", "fit_us_per_unit", "q_wait_us", "loop_us", "tail_us",
             "epi_us", "gap_us", "producer_q_wait_us", "finish_spread_us", "kernel_us")
     print("| shape | " + " | ".join(cols) + " |")

@@ -10,7 +10,7 @@ unpack .scratch/q2/site_trace.tar.xz site_trace || exit 1
 mkdir -p "$OUT/trace"
 run() { (cd "$R/benchmarks" && PYTHONPATH="$R/.scratch/site_trace:$PYTHONPATH" XLA_PYTHON_CLIENT_PREALLOCATE=false \
   timeout 120 python3 unit_trace.py "$@" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tail -12); }
-run d128-skewed d64-skewed d128-full d128-causal-skewed --out "$OUT/trace/padded.json" | tee "$OUT/trace/padded.md"
-run --packed docs-causal docs-causal-d64 mixed-serve d128-skewed --out "$OUT/trace/packed.json" | tee "$OUT/trace/packed.md"
+run d128-skewed d64-skewed d128-full d128-causal-skewed --out "$OUT/trace/padded.json" --raw "$OUT/trace" | tee "$OUT/trace/padded.md"
+run --packed docs-causal docs-causal-d64 mixed-serve d128-skewed --out "$OUT/trace/packed.json" --raw "$OUT/trace" | tee "$OUT/trace/packed.md"
 echo "call: $(( $(date +%s) - T0 )) s"
 cd "$OUT" && tar -czf /tmp/all.tgz . && rm -rf ./* && mv /tmp/all.tgz "$OUT/"

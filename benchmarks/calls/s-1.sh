@@ -10,6 +10,7 @@ T0=$(date +%s); R=$(pwd)
 source benchmarks/calls/setup.sh
 unpack .scratch/q2/site_trace.tar.xz site_trace || exit 1
 unpack .scratch/q2/site_qpf.tar.xz site_qpf || exit 1
+unpack .scratch/q2/site_staged.tar.xz site_staged || exit 1
 left() { echo $(( ${DEADLINE_S:-560} - ($(date +%s) - T0) )); }
 OUT=$OUT/t timeout 110 bash benchmarks/calls/next-trace.sh
 echo "trace done: $(( $(date +%s) - T0 )) s"

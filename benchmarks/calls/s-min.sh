@@ -7,6 +7,7 @@ T0=$(date +%s)
 source benchmarks/calls/setup.sh
 unpack .scratch/q2/site_trace.tar.xz site_trace || exit 1
 unpack .scratch/q2/site_qpf.tar.xz site_qpf || exit 1
+unpack .scratch/q2/site_staged.tar.xz site_staged || exit 1
 OUT=$OUT/t timeout 100 bash benchmarks/calls/next-trace.sh
 echo "trace done: $(( $(date +%s) - T0 )) s"
 OUT=$OUT/ab VARIANTS="head=.scratch/site_new qpf=.scratch/site_qpf staged=.scratch/site_staged" PASSES=fwd ROUNDS=1 \

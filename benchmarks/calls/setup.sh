@@ -1,13 +1,13 @@
 # Sourced by the session's call scripts from the repository root: the carried bundles of
-# .scratch/q2 unpacked into .scratch (sites.tar.xz: the prebuilt packages, each only where it is
-# missing; site_r.tar.xz: main + the key-split patch), the wheels into .whl/ and, through a stage
-# of h200.sh that does nothing, into /tmp/site (each h200.sh run gets a folder of its own: past 8
-# files it archives its OUT); PYTHONPATH=/tmp/site; serve_ab (below). Fails the call when a bundle
-# is missing.
+# .scratch/q2 unpacked into .scratch (site_NAME.tar.xz holds the prebuilt package
+# .scratch/site_NAME, unpacked only where it is missing: site_new = HEAD's kernels, site_r = main +
+# the key-split patch), the wheels into .whl/ and, through a stage of h200.sh that does nothing,
+# into /tmp/site (each h200.sh run gets a folder of its own: past 8 files it archives its OUT);
+# PYTHONPATH=/tmp/site; serve_ab (below). Fails the call when a bundle is missing.
 unpack() {  # unpack BUNDLE SITE: BUNDLE's sites unless SITE is there already
   [[ -d .scratch/$2 ]] || python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall('.scratch')" "$1"
 }
-unpack .scratch/q2/sites.tar.xz site_new || exit 1
+unpack .scratch/q2/site_new.tar.xz site_new || exit 1
 unpack .scratch/q2/site_r.tar.xz site_r || exit 1
 mkdir -p .whl && cp .scratch/q2/whl/*.whl .whl/
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
