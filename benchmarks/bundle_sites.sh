@@ -3,7 +3,7 @@
 # into one xz bundle to carry (benchmarks/README.md, "One device call"): the packages that
 # ab_sites.sh, ncu_sites.sh and h200.sh's PREBUILT / AB_BASE_SITE take. From the repository root:
 #   bash benchmarks/bundle_sites.sh .scratch/q2/sites.tar.xz base=7d8a538 new=HEAD \
-#     staged=HEAD+benchmarks/pending/fwd-staged-out-experiment.patch
+#     split=HEAD+benchmarks/pending/fwd-key-split-experiment.patch
 # Each NAME=COMMIT[+PATCH] becomes .scratch/site_NAME (unpacked on the device into .scratch/ by
 # `python3 -c "import tarfile; tarfile.open(BUNDLE).extractall('.scratch')"`). A site already
 # built from the same sources and patch (.scratch/site_NAME/SPEC) is reused. The patch is applied with

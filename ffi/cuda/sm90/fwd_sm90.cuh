@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fwd_sm90_kernel(const __grid_
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
   const int ct = threadIdx.x - kWarpgroupThreads;  // 0..255
   FwdMma<Tr, kSoftcap> mainloop(ss, ct);
-  const FwdEpilogue<Tr> epilogue(p, ct);
+  const FwdEpilogue<Tr> epilogue(p, ss, ct);
   mainloop.begin_turns();
   PipelineState<Tr::kStages> pipe;
   int q_iter = 0;

@@ -80,14 +80,29 @@ struct FwdTraits {
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape4{}, StrideCols{}),
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
 
+  // Whether the epilogue stages O through shared memory (fwd_epilogue.h, store_staged: each warp
+  // its 16 rows, 64 columns at a time, in a 2 KB slab of its own): where the slabs fit beside Q
+  // and the K/V stages -- d64 and d128 (the 176-key tiles fill the 227 KB exactly), not d256.
+  static constexpr bool kStagedO = kHeadDim <= 128;
+  static constexpr int kOutSlabCols = 64;  // columns per slab: 128-byte rows
+
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);  // one K or V tile
+};
+
+// The epilogue's O slabs where Tr::kStagedO, one [16, kOutSlabCols] per consumer warp (an empty
+// base otherwise: no byte of shared memory).
+template <typename Tr, bool = Tr::kStagedO>
+struct FwdOutStorage {};
+template <typename Tr>
+struct FwdOutStorage<Tr, true> {
+  cute::array_aligned<typename Tr::Element, Tr::kConsumerWarps * 16 * Tr::kOutSlabCols, 1024> o;
 };
 
 // Shared memory. Every tile buffer is a multiple of 1 KB and 1 KB aligned (the 128-byte
 // swizzle repeats every 1 KB, and TMA and wgmma agree on it only from an aligned base).
 template <typename Tr>
-struct alignas(1024) FwdSharedStorage {
+struct alignas(1024) FwdSharedStorage : FwdOutStorage<Tr> {
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutK>, 1024> k;
   cute::array_aligned<typename Tr::Element, cosize_v<typename Tr::SmemLayoutVt>, 1024> v;

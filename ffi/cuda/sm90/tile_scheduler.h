@@ -196,9 +196,15 @@ struct TileScheduler {
     const int r = threadIdx.x;
     __syncthreads();
     int own = r < batch ? ss.first_unit[r] : 0;
-    // Mixed order: this rank's class and the rank before's (read before the scan writes).
+    // Mixed order: this rank's class and the rank before's (read before the scan writes), then
+    // the units alone back in first_unit, which the scan reads (units * 2 + class until then).
     const bool short_rank = mixed && (own & 1), after_long = r == 0 || !(ss.first_unit[r - 1] & 1);
-    if (mixed) own >>= 1;
+    if (mixed) {
+      own >>= 1;
+      __syncthreads();
+      if (r < batch) ss.first_unit[r] = own;
+      __syncthreads();
+    }
     int sum = own;
     for (int offset = 1; offset < batch; offset *= 2) {
       const int add = r < batch && r >= offset ? ss.first_unit[r - offset] : 0;

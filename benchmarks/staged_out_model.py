@@ -1,17 +1,18 @@
-"""A model of fwd-staged-out-experiment.patch's data movement for one consumer warp (d128: two
-slabs of 64 columns), run on the CPU: `python3 benchmarks/pending/fwd-staged-out-model.py`.
+"""A model of the staged-O epilogue's data movement (ffi/cuda/sm90/fwd_epilogue.h, store_staged)
+for one consumer warp (d128: two slabs of 64 columns), run on the CPU:
+`python3 benchmarks/staged_out_model.py`.
 
 It places each element of the warp's wgmma fragment (lane T, element 4j + 2rr + c = row
 T // 4 + 8 rr, column 8 j + 2 (T % 4) + c) where stmatrix.x4 puts it (PTX: matrix i's row r goes
 to the address lane 8 i + r gives; its element (r, 2 t + c) comes from lane 4 r + t, register i,
-half c), with the patch's addresses and register order, then reads back what each lane loads
+half c), with the epilogue's addresses and register order, then reads back what each lane loads
 (chunk L % 8 of rows L // 8 + 4 k) and checks it is the (row, column) the lane stores there. It
 also checks that the eight rows of each stmatrix block fall in eight different 16-byte bank
 groups (no bank conflict).
 """
 
 
-def at(row, chunk):  # the patch's slab address: 128-byte rows, chunk c of row r at c ^ (r % 8)
+def at(row, chunk):  # the epilogue's slab address: 128-byte rows, chunk c of row r at c ^ (r % 8)
     return row * 128 + ((chunk ^ (row & 7)) << 4)
 
 
